@@ -1,0 +1,1 @@
+"""Memory + disk cache of compiled kernel specializations; imports neither kernels nor planners."""
