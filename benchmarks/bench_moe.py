@@ -1,0 +1,104 @@
+"""Time the fused trellis MoE forward on the GPU with CUDA-graph replay.
+
+Prints a table (tokens x route block M, plus the M the plan picks) for the BRIEF's
+Kimi-K3 TP8 geometry (E=896, H=3584, I=384, top-16, K=4 mcg, bf16, SiTU, shared
+hidden-side vectors, balanced random routing). Each cell: median over `--iters` graph
+replays after warm-up, rotating `--sets` input sets. Usage:
+
+    python benchmarks/bench_moe.py [--tokens 16 128 ...] [--blocks 8 16 32] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def balanced_ids(m, topk, num_experts, gen):
+    scores = torch.rand(m, num_experts, generator=gen, device="cuda")
+    return scores.topk(topk, dim=1).indices.to(torch.int32).contiguous()
+
+
+def time_layer(layer, m, args, sets=4, iters=50, warmup=5):
+    H, topk, E = layer.weights.hidden, layer.topk, layer.weights.num_experts
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    inputs = []
+    for _ in range(sets):
+        x = torch.randn(m, H, generator=gen, device="cuda").to(torch.bfloat16)
+        ids = balanced_ids(m, topk, E, gen)
+        w = torch.rand(m, topk, generator=gen, device="cuda")
+        inputs.append((x, ids, (w / w.sum(1, keepdim=True)).float().contiguous()))
+    graphs = []
+    for x, ids, w in inputs:
+        bound = layer.bind(x, ids, w)
+        bound.run()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            bound.run()
+        graphs.append((g, bound.block_m))
+    for i in range(warmup):
+        graphs[i % sets][0].replay()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graphs[i % sets][0].replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times), graphs[0][1]
+
+
+def main(argv=None):
+    from kquant_cute.layer import MoELayer
+    from kquant_cute.weights import MoEWeights
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 512, 1024, 1536, 4096])
+    p.add_argument("--blocks", type=int, nargs="+", default=[8, 16, 32, 48, 64])
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    t0 = time.time()
+    wts = MoEWeights.random(896, 3584, 384, a.bits, "mcg", shared_hidden_vectors=True, seed=0,
+                            device="cuda")
+    print(f"# {torch.cuda.get_device_name()}  weights ready in {time.time() - t0:.1f}s", flush=True)
+    rows = []
+    for m in a.tokens:
+        row = {"tokens": m}
+        for M in a.blocks:
+            env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(M), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
+            layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env)
+            ms, used = time_layer(layer, m, a, iters=a.iters)
+            row[f"M{M}"] = ms if used == M or m <= 8 else None
+            del layer
+        layer = MoELayer(wts, topk=16, capacity=max(a.tokens), activation="situ")
+        ms, used = time_layer(layer, m, a, iters=a.iters)
+        row["plan"], row["plan_M"] = ms, used
+        del layer
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    head = ["tokens"] + [f"M{M}" for M in a.blocks] + ["plan (M)"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        cells = [str(r["tokens"])] + [f"{r[f'M{M}']:.3f}" if r[f"M{M}"] else "-" for M in a.blocks]
+        cells.append(f"{r['plan']:.3f} ({r['plan_M']})")
+        print("| " + " | ".join(cells) + " |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

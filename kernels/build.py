@@ -1,0 +1,170 @@
+"""Compiling, inspecting and loading fused-forward specializations (no GPU needed to compile).
+
+Owns the bridge between `MoESpec` and the CuTe DSL toolchain:
+- `compile_forward(spec)`: cross-compiles a specialization for `spec.arch` with fake
+  pointer arguments (the C ABI is pointers + int32, identical on every machine) and returns
+  the relocatable object bytes plus the measured resources of every kernel in it
+  (registers, stack/local bytes = spills, static shared memory), read from the cubin with
+  `cuobjdump --dump-resource-usage`.
+- `load_forward(path, spec)`: loads such an object into this process (needs a GPU).
+- `resource_verdict(...)`: turns measured resources into a rejection reason or None.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from .moe import ARG_NAMES, MoEForward, MoESpec, dsl_dtype
+
+OBJECT_PREFIX = "kq_forward"
+_RES_RE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+_FN_RE = re.compile(r"Function\s+(\S+):")
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    kernel: str
+    registers: int
+    stack: int
+    shared: int
+    local: int
+
+
+def _short_kernel_name(raw: str) -> str:
+    for key in ("TrellisGemm", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
+        if key in raw:
+            return key
+    return raw[:48]
+
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump from PATH, CUDA_HOME, or the nvidia-cuda-cuobjdump wheel."""
+    exe = shutil.which("cuobjdump")
+    if exe:
+        return exe
+    for root in filter(None, (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda")):
+        cand = os.path.join(root, "bin", "cuobjdump")
+        if os.access(cand, os.X_OK):
+            return cand
+    try:
+        import nvidia  # namespace package of the NVIDIA wheels
+        for base in nvidia.__path__:
+            for cand in sorted(glob.glob(os.path.join(base, "*", "bin", "cuobjdump"))):
+                if os.access(cand, os.X_OK):
+                    return cand
+    except ImportError:
+        pass
+    return None
+
+
+def read_resources(cubin_path: str) -> list[KernelResources]:
+    exe = find_cuobjdump()
+    if exe is None:
+        raise RuntimeError("cuobjdump not found (install nvidia-cuda-cuobjdump or set CUDA_HOME)")
+    text = subprocess.run([exe, "--dump-resource-usage", cubin_path], check=True,
+                          capture_output=True, text=True).stdout
+    out, name = [], None
+    for line in text.splitlines():
+        fm = _FN_RE.search(line)
+        if fm:
+            name = fm.group(1)
+            continue
+        rm = _RES_RE.search(line)
+        if rm and name is not None:
+            reg, stack, shared, local = map(int, rm.groups())
+            out.append(KernelResources(_short_kernel_name(name), reg, stack, shared, local))
+            name = None
+    return out
+
+
+def resource_summary(resources: list[KernelResources]) -> dict:
+    """The binding numbers of a specialization: max registers / shared / spill bytes."""
+    return {
+        "registers": max((r.registers for r in resources), default=0),
+        "shared_bytes": max((r.shared for r in resources), default=0),
+        "spill_bytes": max((r.stack + r.local for r in resources), default=0),
+        "kernels": [asdict(r) for r in resources],
+    }
+
+
+def fake_args(spec: MoESpec) -> list:
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import Int32
+    from cutlass.cute.runtime import make_ptr
+
+    args = []
+    for _name, dt in ARG_NAMES:
+        if dt is None:
+            args.append(Int32(1))
+        else:
+            args.append(make_ptr(dsl_dtype(dt, spec), 256, cute.AddressSpace.gmem, assumed_align=16))
+    args.append(cuda.CUstream(0))
+    return args
+
+
+_RUNTIME_LOADED = False
+
+
+def _load_runtime_globally() -> None:
+    """Object export links host code against the DSL runtime's CUDA entry points; make
+    them resolvable in this process (also on a machine with no GPU)."""
+    global _RUNTIME_LOADED
+    if _RUNTIME_LOADED:
+        return
+    import ctypes
+
+    import cutlass.cute as cute
+
+    for path in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+        if os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    _RUNTIME_LOADED = True
+
+
+def compile_forward(spec: MoESpec) -> tuple[bytes, dict]:
+    """Cross-compile `spec` for `spec.arch`; returns (object bytes, metadata with resources)."""
+    import cutlass.cute as cute
+
+    reason = spec.check()
+    if reason is not None:
+        raise ValueError(f"cannot compile {spec.kernel_name()}: {reason}")
+    _load_runtime_globally()
+    fwd = MoEForward(spec)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kq_cubin_") as tmp:
+        compiled = cute.compile(fwd, *fake_args(spec),
+                                options=f"--gpu-arch {spec.arch} --keep-cubin --dump-dir {tmp}")
+        seconds = time.perf_counter() - t0
+        cubins = glob.glob(os.path.join(tmp, "*.cubin"))
+        resources = read_resources(cubins[0]) if cubins and find_cuobjdump() else []
+        obj = compiled.dump_to_object(OBJECT_PREFIX)
+    meta = {"compile_seconds": round(seconds, 3), **resource_summary(resources),
+            "resources_measured": bool(resources)}
+    return obj, meta
+
+
+def load_forward(path: str):
+    """Load a compiled object; returns the callable entry point (needs the CUDA driver)."""
+    import cutlass.cute as cute
+
+    module = cute.runtime.load_module(path)
+    return LoadedForward(module, getattr(module, OBJECT_PREFIX))
+
+
+class LoadedForward:
+    """A loaded object's entry point; holds the module so its engine stays alive."""
+
+    def __init__(self, module, fn):
+        self.module = module
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)

@@ -1,0 +1,175 @@
+"""The fused W4A16 trellis MoE forward: one JIT specialization = one compiled object.
+
+Owns `MoESpec` (the compile-time key of a specialization), its validity predicate
+`MoESpec.check()` (static reasons: sizes, alignment, shared memory of the route pack,
+32-bit index range), the argument order of the compiled entry point (`ARG_NAMES`), and
+`MoEForward`, the `@cute.jit` host function that launches, on one stream with no host
+synchronisation and no allocation:
+
+  route pack (M) -> input rotation (gate, up) -> trellis GEMM gate -> trellis GEMM up
+  -> FC1 output rotation + activation + FC2 input rotation -> trellis GEMM down
+  -> router-weighted top-k sum with FC2's output rotation.
+
+Every pointer argument is a raw device address and every size a 32-bit integer, so an
+object compiled on a CPU-only machine has the same C ABI as a JIT compile on the GPU.
+Token count, routed experts and grid size are run-time values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from kquant_cute import trellis as fmt
+
+from .rotate import ACTIVATIONS, CombineOutput, MidActivation, RotateInput
+from .route_pack import RoutePack
+from .trellis_gemm import BLOCK_SIZES, MMA_CODEBOOKS, TrellisGemm
+
+ACT_DTYPES = ("bfloat16", "float16")
+OUT_DTYPES = ("float32", "bfloat16", "float16")
+MAX_TOPK = 64
+INDEX_LIMIT = 2**31 - 1
+
+_DSL_DTYPES = {
+    "float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+    "int32": cutlass.Int32, "int16": cutlass.Int16,
+}
+
+# Entry-point arguments, in order: (name, dtype of the pointee) for pointers, (name, None)
+# for Int32 scalars. The stream comes last.
+ARG_NAMES = (
+    ("x", "act"), ("topk_ids", "int32"), ("topk_weights", "float32"), ("expert_map", "int32"),
+    ("gate_trellis", "int16"), ("up_trellis", "int16"), ("down_trellis", "int16"),
+    ("gate_suh", "float16"), ("up_suh", "float16"), ("gate_svh", "float16"),
+    ("up_svh", "float16"), ("down_suh", "float16"), ("down_svh", "float16"),
+    ("sorted_routes", "int32"), ("block_expert", "int32"), ("num_padded", "int32"),
+    ("expert_offsets", "int32"), ("expert_counts", "int32"),
+    ("xg", "float16"), ("xu", "float16"), ("g", "float32"), ("u", "float32"),
+    ("a2", "float16"), ("y", "float32"), ("out", "out"),
+    ("m", None), ("max_blocks", None), ("rows_cap", None), ("routes_cap", None),
+    ("grid", None),
+)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Compile-time key of one fused-forward specialization."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    topk: int
+    bits: int
+    codebook: str
+    block_m: int
+    act_dtype: str = "bfloat16"
+    out_dtype: str = "float32"
+    activation: str = "silu"
+    shared_hidden_vectors: bool = False
+    has_expert_map: bool = False
+    arch: str = "sm_90a"
+
+    def check(self, smem_limit: int | None = None) -> str | None:
+        """None when this specialization can be built, else the reason (static checks)."""
+        for name in ("num_experts", "hidden", "intermediate", "topk", "bits", "block_m"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                return f"{name} must be a positive int, got {v!r}"
+        if self.act_dtype not in ACT_DTYPES:
+            return f"act_dtype {self.act_dtype!r} not in {ACT_DTYPES}"
+        if self.out_dtype not in OUT_DTYPES:
+            return f"out_dtype {self.out_dtype!r} not in {OUT_DTYPES}"
+        if self.activation not in ACTIVATIONS:
+            return f"activation {self.activation!r} not in {ACTIVATIONS}"
+        if self.topk > MAX_TOPK:
+            return f"topk {self.topk} > {MAX_TOPK}"
+        for k_dim, n_dim in ((self.hidden, self.intermediate), (self.intermediate, self.hidden)):
+            reason = TrellisGemm.can_implement(block_m=self.block_m, k_dim=k_dim, n_dim=n_dim,
+                                               bits=self.bits, codebook=self.codebook)
+            if reason is not None:
+                return reason
+        words = self.num_experts * self.hidden * self.intermediate * self.bits // 32
+        if words > INDEX_LIMIT:
+            return f"one projection holds {words:,} 32-bit words > 2^31 - 1 (32-bit indexing)"
+        if smem_limit is not None and RoutePack.smem_bytes(self.num_experts) > smem_limit:
+            return (f"route pack needs {RoutePack.smem_bytes(self.num_experts):,} B shared "
+                    f"memory > {smem_limit:,} B limit of {self.arch}")
+        return None
+
+    def max_tokens(self) -> int:
+        """Largest token count whose scratch indices stay inside 32-bit range."""
+        return INDEX_LIMIT // (self.topk * max(self.hidden, self.intermediate) + 1) - 1
+
+    def replace(self, **changes) -> "MoESpec":
+        return dataclasses.replace(self, **changes)
+
+    def kernel_name(self) -> str:
+        return (f"kq_moe_m{self.block_m}_k{self.bits}_{self.codebook}_{self.act_dtype}_"
+                f"{self.out_dtype}_{self.activation}_{'shared' if self.shared_hidden_vectors else 'perexp'}"
+                f"{'_map' if self.has_expert_map else ''}_e{self.num_experts}_h{self.hidden}_"
+                f"i{self.intermediate}_t{self.topk}_{self.arch}")
+
+
+def dsl_dtype(name: str, spec: MoESpec):
+    if name == "act":
+        name = spec.act_dtype
+    elif name == "out":
+        name = spec.out_dtype
+    return _DSL_DTYPES[name]
+
+
+class MoEForward:
+    """Host-side launcher of one specialization (see module docstring)."""
+
+    def __init__(self, spec: MoESpec):
+        reason = spec.check()
+        if reason is not None:
+            raise ValueError(f"cannot build {spec.kernel_name()}: {reason}")
+        self.spec = spec
+        per_route = not spec.shared_hidden_vectors
+        self.pack = RoutePack(num_experts=spec.num_experts, block_m=spec.block_m,
+                              has_map=spec.has_expert_map)
+        self.rotate_in = RotateInput(hidden=spec.hidden, topk=spec.topk, per_route=per_route,
+                                     has_map=spec.has_expert_map)
+        self.gemm1 = TrellisGemm(block_m=spec.block_m, k_dim=spec.hidden, n_dim=spec.intermediate,
+                                 bits=spec.bits, codebook=spec.codebook, topk=spec.topk,
+                                 a_rows_per_token=not per_route)
+        self.mid = MidActivation(intermediate=spec.intermediate, activation=spec.activation,
+                                 has_map=spec.has_expert_map)
+        self.gemm2 = TrellisGemm(block_m=spec.block_m, k_dim=spec.intermediate, n_dim=spec.hidden,
+                                 bits=spec.bits, codebook=spec.codebook, topk=spec.topk,
+                                 a_rows_per_token=False)
+        self.combine = CombineOutput(hidden=spec.hidden, topk=spec.topk,
+                                     shared_svh=spec.shared_hidden_vectors,
+                                     has_map=spec.has_expert_map,
+                                     out_dtype=_DSL_DTYPES[spec.out_dtype])
+
+    @cute.jit
+    def __call__(self, x, topk_ids, topk_weights, expert_map, gate_trellis, up_trellis,
+                 down_trellis, gate_suh, up_suh, gate_svh, up_svh, down_suh, down_svh,
+                 sorted_routes, block_expert, num_padded, expert_offsets, expert_counts,
+                 xg, xu, g, u, a2, y, out,
+                 m: Int32, max_blocks: Int32, rows_cap: Int32, routes_cap: Int32, grid: Int32,
+                 stream):
+        n_routes = m * self.spec.topk
+        rows = n_routes
+        a_zero_row = routes_cap
+        if cutlass.const_expr(self.spec.shared_hidden_vectors):
+            rows = m
+            a_zero_row = rows_cap
+        self.pack(topk_ids, expert_map, sorted_routes, block_expert, num_padded,
+                  expert_offsets, expert_counts, n_routes, max_blocks, stream)
+        self.rotate_in(x, gate_suh, up_suh, topk_ids, expert_map, xg, xu, rows, stream)
+        self.gemm1(xg, gate_trellis, sorted_routes, block_expert, num_padded, g, n_routes,
+                   a_zero_row, grid, stream)
+        self.gemm1(xu, up_trellis, sorted_routes, block_expert, num_padded, u, n_routes,
+                   a_zero_row, grid, stream)
+        self.mid(g, u, gate_svh, up_svh, down_suh, topk_ids, expert_map, a2, n_routes, stream)
+        self.gemm2(a2, down_trellis, sorted_routes, block_expert, num_padded, y, n_routes,
+                   routes_cap, grid, stream)
+        self.combine(y, down_svh, topk_ids, expert_map, topk_weights, out, m, stream)

@@ -1,0 +1,140 @@
+"""Inline-PTX building blocks shared by the kquant-cute kernels.
+
+Owns the few instructions the CuTe DSL does not expose in the exact register form we
+need: the m16n8k16 fp16 `mma.sync` on raw fragment registers, half2 packing/arithmetic
+used by the trellis codebooks, and integer helpers (byte sums, 64-bit funnel reads).
+Every function here is a `dsl_user_op`, callable from `@cute.kernel` code on DSL
+scalars (Int32 / Uint32 / Float32) and returning DSL scalars.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _u32(x, loc=None, ip=None):
+    return Uint32(x).ir_value(loc=loc, ip=ip)
+
+
+def _f32(x, loc=None, ip=None):
+    return Float32(x).ir_value(loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mma_f16_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
+    """D = A(16x16 fp16, row) * B(16x8 fp16, col) + C (fp32), one warp, raw fragments.
+
+    A fragment (lane L, g = L >> 2, c = L & 3): a0 = rows g, cols 2c..2c+1; a1 = row g+8;
+    a2 = row g, cols 2c+8..; a3 = row g+8, cols 2c+8... B fragment: b0 = rows 2c..2c+1 of
+    column g, b1 = rows 2c+8..2c+9. C/D: c0,c1 = row g cols 2c..2c+1; c2,c3 = row g+8.
+    """
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [_u32(a0, loc, ip), _u32(a1, loc, ip), _u32(a2, loc, ip), _u32(a3, loc, ip),
+         _u32(b0, loc, ip), _u32(b1, loc, ip),
+         _f32(c0, loc, ip), _f32(c1, loc, ip), _f32(c2, loc, ip), _f32(c3, loc, ip)],
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        loc=loc, ip=ip,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def lop3_half2_sum(x0, x1, mask, xor, *, loc=None, ip=None):
+    """Two lop3-codebook values packed as half2: for each x, (x & mask) ^ xor read as
+    fp16 (lo, hi); returns {fp16(lo0 + hi0), fp16(lo1 + hi1)} (one RNE rounding each)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(),
+        [_u32(x0, loc, ip), _u32(x1, loc, ip), _u32(mask, loc, ip), _u32(xor, loc, ip)],
+        "{\n\t.reg .b32 p, q, lo, hi;\n\t"
+        "lop3.b32 p, $1, $3, $4, 0x6A;\n\t"
+        "lop3.b32 q, $2, $3, $4, 0x6A;\n\t"
+        "prmt.b32 lo, p, q, 0x5410;\n\t"
+        "prmt.b32 hi, p, q, 0x7632;\n\t"
+        "add.rn.f16x2 $0, lo, hi;\n\t}",
+        "=r,r,r,r,r",
+        loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def mul1_half2(x0, x1, kinv_bits, kbias_bits, *, loc=None, ip=None):
+    """Two MUL1 values packed as half2: s = byte sum of x, h = fp16 bits 0x6400 + s,
+    value = fp16(h * k_inv + k_bias) with one rounding (fma)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(),
+        [_u32(x0, loc, ip), _u32(x1, loc, ip), _u32(kinv_bits, loc, ip), _u32(kbias_bits, loc, ip)],
+        "{\n\t.reg .b32 s0, s1, h, k, b;\n\t"
+        "dp4a.u32.u32 s0, $1, 0x01010101, 0x6400;\n\t"
+        "dp4a.u32.u32 s1, $2, 0x01010101, 0x6400;\n\t"
+        "prmt.b32 h, s0, s1, 0x5410;\n\t"
+        "prmt.b32 k, $3, $3, 0x1010;\n\t"
+        "prmt.b32 b, $4, $4, 0x1010;\n\t"
+        "fma.rn.f16x2 $0, h, k, b;\n\t}",
+        "=r,r,r,r,r",
+        loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def pack_half2(lo, hi, *, loc=None, ip=None):
+    """Pack two fp32 values into one half2 register {fp16(lo), fp16(hi)} (RNE)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [_f32(lo, loc, ip), _f32(hi, loc, ip)],
+        "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def half2_to_f32(h2, index: int, *, loc=None, ip=None):
+    """fp32 value of half `index` (0 = low 16 bits, 1 = high) of a half2 register."""
+    sel = "lo" if index == 0 else "hi"
+    return Float32(llvm.inline_asm(
+        T.f32(), [_u32(h2, loc, ip)],
+        "{\n\t.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, $1;\n\tcvt.f32.f16 $0, " + sel + ";\n\t}",
+        "=f,r", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def funnel_state(w_hi, w_lo, shift, *, loc=None, ip=None):
+    """16-bit window of the 64-bit value (w_hi:w_lo): bits [shift, shift+16) counted from
+    the least significant bit. `shift` in 0..48."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [_u32(w_hi, loc, ip), _u32(w_lo, loc, ip), _u32(shift, loc, ip)],
+        "{\n\t.reg .b64 v;\n\t.reg .b32 r;\n\t"
+        "mov.b64 v, {$2, $1};\n\t"
+        "shr.b64 v, v, $3;\n\t"
+        "cvt.u32.u64 r, v;\n\t"
+        "and.b32 $0, r, 0xFFFF;\n\t}",
+        "=r,r,r,r", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def bfe_u32(x, pos, length: int, *, loc=None, ip=None):
+    """Unsigned bit-field extract of `length` bits of x starting at `pos`."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [_u32(x, loc, ip), _u32(pos, loc, ip)],
+        f"bfe.u32 $0, $1, $2, {int(length)};", "=r,r,r", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def shfl_xor_f32(x, offset: int, *, loc=None, ip=None):
+    """Butterfly shuffle of an fp32 value across the full warp."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [_f32(x, loc, ip)],
+        f"shfl.sync.bfly.b32 $0, $1, {int(offset)}, 0x1f, 0xffffffff;", "=f,f",
+        loc=loc, ip=ip,
+    ))
+
+
+__all__ = [
+    "mma_f16_m16n8k16", "lop3_half2_sum", "mul1_half2", "pack_half2", "half2_to_f32",
+    "funnel_state", "bfe_u32", "shfl_xor_f32", "Int32",
+]

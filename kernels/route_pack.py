@@ -1,0 +1,115 @@
+"""Route pack on the GPU: group the routed (token, k) pairs by local expert into blocks.
+
+Owns `RoutePack`, one CTA of 1024 threads, no host synchronisation:
+per-expert histogram (shared-memory atomics), each count padded up to a multiple of the
+route block M, an exclusive prefix sum (Hillis-Steele over per-thread expert chunks),
+then the packed route ids (sentinel = n_routes for padding slots), the local expert id
+per block (-1 past the packed count), the packed count, per-expert offsets and counts.
+An optional expert_map (global id -> local id, -1 = not on this rank) drops routes of
+experts that live elsewhere. Order within an expert follows the atomics and is not
+deterministic; consumers key their results by route id, so outputs do not depend on it.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+THREADS = 1024
+
+
+def _flat(ptr):
+    return cute.make_tensor(ptr, cute.make_layout(1 << 30))
+
+
+class RoutePack:
+    def __init__(self, *, num_experts: int, block_m: int, has_map: bool):
+        self.num_experts = num_experts
+        self.block_m = block_m
+        self.has_map = has_map
+        self.chunk = (num_experts + THREADS - 1) // THREADS  # experts per thread
+
+    @staticmethod
+    def smem_bytes(num_experts: int) -> int:
+        return 4 * (2 * num_experts + 2 * THREADS) + 64
+
+    @cute.jit
+    def __call__(self, pIds, pMap, pSorted, pBlockExpert, pNumPadded, pOffsets, pCounts,
+                 n_routes: Int32, max_blocks: Int32, stream):
+        self.kernel(pIds, pMap, pSorted, pBlockExpert, pNumPadded, pOffsets, pCounts,
+                    n_routes, max_blocks).launch(grid=[1, 1, 1], block=[THREADS, 1, 1],
+                                                 smem=self.smem_bytes(self.num_experts),
+                                                 stream=stream)
+
+    @cute.kernel
+    def kernel(self, pIds, pMap, pSorted, pBlockExpert, pNumPadded, pOffsets, pCounts,
+               n_routes: Int32, max_blocks: Int32):
+        E = self.num_experts
+        M = self.block_m
+        mIds, mMap, mSorted = _flat(pIds), _flat(pMap), _flat(pSorted)
+        mBlockExpert, mNumPadded = _flat(pBlockExpert), _flat(pNumPadded)
+        mOffsets, mCounts = _flat(pOffsets), _flat(pCounts)
+        smem = cutlass.utils.SmemAllocator()
+        sCount = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
+        sCursor = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
+        sScan = smem.allocate_tensor(Int32, cute.make_layout(2 * THREADS), 16)
+        tidx, _, _ = cute.arch.thread_idx()
+
+        for e in range(tidx, E, THREADS):
+            sCount[e] = 0
+        cute.arch.sync_threads()
+        for r in range(tidx, n_routes, THREADS):
+            e = mIds[r]
+            if self.has_map:
+                e = mMap[e]
+            if e >= 0:
+                cute.arch.atomic_add((sCount.iterator + e).llvm_ptr, Int32(1))
+        cute.arch.sync_threads()
+
+        # Padded counts of this thread's expert chunk, then an inclusive scan over threads.
+        first = tidx * self.chunk
+        own = Int32(0)
+        for i in cutlass.range_constexpr(self.chunk):
+            e = first + i
+            if e < E:
+                own = own + (sCount[e] + M - 1) // M * M
+        sScan[tidx] = own
+        cute.arch.sync_threads()
+        src = 0
+        for s in cutlass.range_constexpr(10):  # log2(THREADS)
+            off = 1 << s
+            v = sScan[src * THREADS + tidx]
+            if tidx >= off:
+                v = v + sScan[src * THREADS + tidx - off]
+            sScan[(1 - src) * THREADS + tidx] = v
+            cute.arch.sync_threads()
+            src = 1 - src
+        total = sScan[src * THREADS + THREADS - 1]
+        base = sScan[src * THREADS + tidx] - own
+        for i in cutlass.range_constexpr(self.chunk):
+            e = first + i
+            if e < E:
+                cnt = sCount[e]
+                padded = (cnt + M - 1) // M * M
+                sCursor[e] = base
+                mOffsets[e] = base
+                mCounts[e] = cnt
+                for slot in range(base + cnt, base + padded):
+                    mSorted[slot] = n_routes
+                for b in range(base // M, (base + padded) // M):
+                    mBlockExpert[b] = e
+                base = base + padded
+        if tidx == 0:
+            mNumPadded[0] = total
+            mOffsets[E] = total
+        for b in range(total // M + tidx, max_blocks, THREADS):
+            mBlockExpert[b] = -1
+        cute.arch.sync_threads()
+        for r in range(tidx, n_routes, THREADS):
+            e = mIds[r]
+            if self.has_map:
+                e = mMap[e]
+            if e >= 0:
+                slot = cute.arch.atomic_add((sCursor.iterator + e).llvm_ptr, Int32(1))
+                mSorted[slot] = r

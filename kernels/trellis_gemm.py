@@ -1,0 +1,196 @@
+"""Grouped GEMM over route blocks with trellis-coded expert weights decoded into mma.sync.
+
+Owns `TrellisGemm`: out[r, :] = A[row(r), :] @ W_hat[expert(r)] for every packed route r,
+where W_hat is decoded from EXL3-style trellis codes (16x16 tiles, K bits per weight)
+straight into m16n8k16 B fragments in registers. Work item = (route block of `block_m`
+rows of one expert, 128-column N tile); each work item decodes the expert's weights for
+its N tile once and reuses them for all `block_m` rows. Accumulation is fp32 and the
+per-element reduction order over K is the same for every block size, so outputs are
+bitwise equal across block sizes.
+
+Layouts (row-major, raw pointers; sizes that are run-time are Int32 arguments):
+- A: fp16 [rows, k_dim]; row(r) = r // topk when `a_rows_per_token` else r. Row
+  `zero_row` is never read for a padding slot: padding rows are masked to zero instead.
+- B: trellis int16 [E, k_dim/16, n_dim/16, 16*bits], read as uint32 words.
+- sorted_routes: int32 [slots] packed route ids (sentinel >= n_routes for padding);
+  block_expert: int32 [blocks] (-1 = empty); num_padded: int32 [1] packed slot count.
+- out: fp32 [n_routes, n_dim], row r written for every real packed route r.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+
+from kquant_cute import trellis as fmt
+
+from . import ptx
+
+TILE_N = 128
+NUM_WARPS = 4
+THREADS = 32 * NUM_WARPS
+BLOCK_SIZES = (8, 16, 32, 48, 64)
+MMA_CODEBOOKS = ("mcg", "3inst", "mul1")
+
+
+def decode_pair(s0, s1, codebook: str):
+    """Two 16-bit trellis states -> one half2 register of their codebook values."""
+    if codebook == "mcg":
+        x0 = s0 * Uint32(fmt.MCG_MUL)
+        x1 = s1 * Uint32(fmt.MCG_MUL)
+        return ptx.lop3_half2_sum(x0, x1, Uint32(fmt.LOP3_MASK), Uint32(fmt.LOP3_XOR))
+    if codebook == "3inst":
+        x0 = s0 * Uint32(fmt.INST3_MUL) + Uint32(fmt.INST3_ADD)
+        x1 = s1 * Uint32(fmt.INST3_MUL) + Uint32(fmt.INST3_ADD)
+        return ptx.lop3_half2_sum(x0, x1, Uint32(fmt.LOP3_MASK), Uint32(fmt.LOP3_XOR))
+    if codebook == "mul1":
+        x0 = s0 * Uint32(fmt.MUL1_MUL)
+        x1 = s1 * Uint32(fmt.MUL1_MUL)
+        return ptx.mul1_half2(x0, x1, Uint32(fmt.MUL1_KINV_BITS), Uint32(fmt.MUL1_KBIAS_BITS))
+    raise ValueError(f"codebook {codebook!r} has no mma decode path (supported: {MMA_CODEBOOKS})")
+
+
+class TrellisGemm:
+    """One specialization of the trellis grouped GEMM (see module docstring)."""
+
+    def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
+                 topk: int, a_rows_per_token: bool):
+        reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
+                                    codebook=codebook)
+        if reason is not None:
+            raise ValueError(reason)
+        self.block_m = block_m
+        self.k_dim = k_dim
+        self.n_dim = n_dim
+        self.bits = bits
+        self.codebook = codebook
+        self.topk = topk
+        self.a_rows_per_token = a_rows_per_token
+        # Derived once.
+        self.m_tiles = (block_m + 15) // 16
+        self.k_tiles = k_dim // fmt.TILE
+        self.n_tiles16 = n_dim // fmt.TILE
+        self.n_tiles = n_dim // TILE_N
+        self.tile_words = 8 * bits  # uint32 words per 16x16 trellis tile
+        self.ring_bits = 256 * bits
+
+    @staticmethod
+    def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str) -> str | None:
+        """None when this geometry compiles to a valid kernel, else the reason."""
+        if block_m not in BLOCK_SIZES:
+            return f"block_m {block_m} not in {BLOCK_SIZES}"
+        if codebook not in MMA_CODEBOOKS:
+            return f"codebook {codebook!r} has no mma decode path (supported: {MMA_CODEBOOKS})"
+        lo, hi = fmt.BITS_RANGE[codebook]
+        if not lo <= bits <= hi:
+            return f"bits {bits} outside {lo}..{hi} for codebook {codebook!r}"
+        for name, dim in (("k_dim", k_dim), ("n_dim", n_dim)):
+            if dim <= 0 or dim % fmt.HADAMARD_BLOCK:
+                return f"{name} {dim} is not a positive multiple of {fmt.HADAMARD_BLOCK}"
+        return None
+
+    @cute.jit
+    def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
+                 pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
+                 n_routes: Int32, zero_row: Int32, grid: Int32, stream):
+        self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOut, n_routes, zero_row).launch(
+            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
+               pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
+               n_routes: Int32, zero_row: Int32):
+        big = 1 << 30
+        kw = self.k_dim // 2
+        mA = cute.make_tensor(cute.recast_ptr(pA, dtype=Uint32), cute.make_layout((big, kw), stride=(kw, 1)))
+        mB = cute.make_tensor(cute.recast_ptr(pB, dtype=Uint32), cute.make_layout(big))
+        mSorted = cute.make_tensor(pSorted, cute.make_layout(big))
+        mBlockExpert = cute.make_tensor(pBlockExpert, cute.make_layout(big))
+        mNumPadded = cute.make_tensor(pNumPadded, cute.make_layout(1))
+        mOut = cute.make_tensor(pOut, cute.make_layout((big, self.n_dim), stride=(self.n_dim, 1)))
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+
+        # Lane-constant part of the trellis bit window: weights 8*lane .. 8*lane+7.
+        p0 = (8 * lane + 1) * self.bits - 16 + self.ring_bits
+        p0 = cutlass.select_(p0 >= self.ring_bits, p0 - self.ring_bits, p0)
+        w0 = Int32(p0) // 32
+        q0 = Int32(p0) % 32
+        w1 = w0 + 1
+        w1 = Int32(cutlass.select_(w1 >= self.tile_words, w1 - self.tile_words, w1))
+        w2 = w1 + 1
+        w2 = Int32(cutlass.select_(w2 >= self.tile_words, w2 - self.tile_words, w2))
+
+        num_blocks = mNumPadded[0] // self.block_m
+        total = num_blocks * self.n_tiles
+        rRow = cute.make_rmem_tensor((2 * self.m_tiles,), Int32)
+        rRoute = cute.make_rmem_tensor((2 * self.m_tiles,), Int32)
+        acc = cute.make_rmem_tensor((self.m_tiles, 4, 4), Float32)
+        for work in range(bidx, total, gdim):
+            blk = work // self.n_tiles
+            nt = work - blk * self.n_tiles
+            expert = mBlockExpert[blk]
+            if expert >= 0:
+                for h in cutlass.range_constexpr(2 * self.m_tiles):
+                    row_in_block = (h // 2) * 16 + (h % 2) * 8
+                    if row_in_block < self.block_m:
+                        r = mSorted[blk * self.block_m + row_in_block + g]
+                        rRoute[h] = r
+                        a_row = r
+                        if self.a_rows_per_token:
+                            a_row = r // self.topk
+                        rRow[h] = Int32(cutlass.select_(r < n_routes, a_row, zero_row))
+                    else:
+                        rRoute[h] = n_routes
+                        rRow[h] = zero_row
+                acc.fill(0.0)
+                expert_base = expert * (self.k_tiles * self.n_tiles16)
+                j_base = nt * (TILE_N // 16) + warp * 2
+                for kt in range(self.k_tiles):
+                    # Decode two 16x16 tiles (32 columns) of this warp: 4 half2 per tile.
+                    rBf = cute.make_rmem_tensor((2, 4), Uint32)
+                    for jj in cutlass.range_constexpr(2):
+                        base = ((expert_base + kt * self.n_tiles16 + j_base + jj) * self.tile_words)
+                        u0 = mB[base + w0]
+                        u1 = mB[base + w1]
+                        u2 = mB[base + w2]
+                        for pair in cutlass.range_constexpr(4):
+                            st = []
+                            for i in cutlass.range_constexpr(2):
+                                q = q0 + (2 * pair + i) * self.bits
+                                s_lo = ptx.funnel_state(u0, u1, Uint32(48 - q))
+                                s_hi = ptx.funnel_state(u1, u2, Uint32(80 - q))
+                                st.append(Uint32(cutlass.select_(q <= 48, s_lo, s_hi)))
+                            rBf[jj, pair] = decode_pair(st[0], st[1], self.codebook)
+                    for mt in cutlass.range_constexpr(self.m_tiles):
+                        ka = kt * 8 + c
+                        a0 = mA[rRow[2 * mt], ka]
+                        a1 = mA[rRow[2 * mt + 1], ka]
+                        a2 = mA[rRow[2 * mt], ka + 4]
+                        a3 = mA[rRow[2 * mt + 1], ka + 4]
+                        for nn in cutlass.range_constexpr(4):
+                            jj = nn // 2
+                            hh = nn % 2
+                            d0, d1, d2, d3 = ptx.mma_f16_m16n8k16(
+                                a0, a1, a2, a3, rBf[jj, 2 * hh], rBf[jj, 2 * hh + 1],
+                                acc[mt, nn, 0], acc[mt, nn, 1], acc[mt, nn, 2], acc[mt, nn, 3])
+                            acc[mt, nn, 0] = d0
+                            acc[mt, nn, 1] = d1
+                            acc[mt, nn, 2] = d2
+                            acc[mt, nn, 3] = d3
+                col_base = nt * TILE_N + warp * 32 + 2 * c
+                for mt in cutlass.range_constexpr(self.m_tiles):
+                    for hf in cutlass.range_constexpr(2):
+                        r = rRoute[2 * mt + hf]
+                        if r < n_routes:
+                            for nn in cutlass.range_constexpr(4):
+                                col = col_base + nn * 8
+                                mOut[r, col] = acc[mt, nn, 2 * hf]
+                                mOut[r, col + 1] = acc[mt, nn, 2 * hf + 1]

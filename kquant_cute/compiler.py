@@ -1,0 +1,169 @@
+"""Specializations through the compile cache, and the decode / prefill plan of a layer.
+
+Owns the composition of kernels (what a specialization is and how it compiles), the
+compile cache (never re-pay a compile) and the planners (which route block M to use):
+- `get_specialization(spec)`: the cached compile of one `MoESpec` (compiles on a miss,
+  also on a machine with no GPU); returns an entry whose `.function()` loads it lazily.
+- `geometry_check(spec, arch)`: the validity predicate the planner's fallback uses:
+  static reasons from the kernel, then measured registers / spills / shared memory of
+  every kernel in the compiled object against the per-SM table.
+- `plan_forward(base, capacity, arch, env)`: the plan pair (decode M = 8, prefill M from
+  the policy with fallback) as a `ForwardPlan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .compile_cache import CompileCache, default_cache
+from .kernels import build as kbuild
+from .kernels.moe import MoESpec
+from .planners import GeometryVerdict, PlanEnv, arch_limits, check_resources, normalize_arch
+from .planners.plans import PlanPairLayout, plan_pair_layout
+
+KERNEL_NAME = "w4a16_trellis_moe"
+_PKG_ROOT = os.path.dirname(os.path.abspath(__file__))
+# Threads per block of each kernel in the object (for the register-file check).
+KERNEL_THREADS = {"TrellisGemm": 128, "RoutePack": 1024, "RotateInput": 128,
+                  "MidActivation": 128, "CombineOutput": 128}
+
+
+def source_files() -> list[str]:
+    """Files whose bytes key the cache: the kernels, the planners, the format constants."""
+    import kquant_cute.kernels as kernels_pkg
+    import kquant_cute.planners as planners_pkg
+
+    files = []
+    for pkg in (kernels_pkg, planners_pkg):
+        files += sorted(glob.glob(os.path.join(os.path.dirname(pkg.__file__), "*.py")))
+    files.append(os.path.join(_PKG_ROOT, "trellis.py"))
+    files.append(os.path.abspath(__file__))
+    return files
+
+
+@dataclass
+class CompiledEntry:
+    """A cached specialization: metadata now, the loaded function on first use."""
+
+    spec: MoESpec
+    meta: dict
+    payload: bytes
+    _fn: object = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def resources(self) -> dict:
+        return self.meta.get("extra", {})
+
+    def function(self):
+        with self._lock:
+            if self._fn is None:
+                with tempfile.NamedTemporaryFile(suffix=".o", delete=False) as f:
+                    f.write(self.payload)
+                    path = f.name
+                try:
+                    self._fn = kbuild.load_forward(path)
+                finally:
+                    os.unlink(path)
+            return self._fn
+
+
+def get_specialization(spec: MoESpec, cache: Optional[CompileCache] = None):
+    """The `CacheResult` of one specialization (value: a `CompiledEntry`)."""
+    cache = cache or default_cache()
+    spec_dict = dataclasses.asdict(spec)
+    arch = spec_dict.pop("arch")
+
+    def load(path, meta):
+        with open(path, "rb") as f:
+            return CompiledEntry(spec=spec, meta=meta, payload=f.read())
+
+    return cache.get_or_build_result(KERNEL_NAME, spec_dict, arch=arch,
+                                     build=lambda: kbuild.compile_forward(spec), load=load,
+                                     sources=source_files())
+
+
+def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> GeometryVerdict:
+    """Static check, then compile (cached) and check measured resources on spec.arch."""
+    limits = arch_limits(spec.arch)
+    reason = spec.check(smem_limit=limits.smem_per_block_optin)
+    if reason is not None:
+        return GeometryVerdict(block_m=spec.block_m, ok=False, reason=reason)
+    try:
+        res = get_specialization(spec, cache)
+    except Exception as exc:  # a compile failure rejects the geometry, with its reason
+        return GeometryVerdict(block_m=spec.block_m, ok=False,
+                               reason=f"compile failed: {type(exc).__name__}: {exc}")
+    extra = res.value.resources
+    reasons = []
+    for k in extra.get("kernels", []):
+        r = check_resources(limits, smem_bytes=k["shared"], registers=k["registers"],
+                            spills=k["stack"] + k["local"],
+                            threads=KERNEL_THREADS.get(k["kernel"], 128))
+        if r is not None:
+            reasons.append(f"{k['kernel']}: {r}")
+    return GeometryVerdict(block_m=spec.block_m, ok=not reasons,
+                           reason="; ".join(reasons) if reasons else None,
+                           registers=extra.get("registers"), spills=extra.get("spill_bytes"),
+                           smem_bytes=extra.get("shared_bytes"))
+
+
+@dataclass
+class BoundPlan:
+    spec: MoESpec
+    entry: CompiledEntry
+
+    @property
+    def fn(self):
+        return self.entry.function()
+
+
+class ForwardPlan:
+    """Decode (M = 8) and optional prefill specialization of one layer shape."""
+
+    def __init__(self, layout: PlanPairLayout, decode: BoundPlan, prefill: Optional[BoundPlan]):
+        self.layout = layout
+        self.decode = decode
+        self.prefill = prefill
+
+    def specs(self) -> list[MoESpec]:
+        return [p.spec for p in (self.decode, self.prefill) if p is not None]
+
+    def plan_for(self, m: int) -> BoundPlan:
+        return self.prefill if self.prefill is not None and self.layout.binds_prefill(m) else self.decode
+
+    def load(self) -> None:
+        for p in (self.decode, self.prefill):
+            if p is not None:
+                p.fn  # noqa: B018 - load now, not on the first (possibly captured) call
+
+    def describe(self, scratch_bytes=None) -> str:
+        return self.layout.describe(scratch_bytes=scratch_bytes)
+
+
+def plan_forward(base: MoESpec, *, capacity: int, arch, env: PlanEnv,
+                 cache: Optional[CompileCache] = None) -> ForwardPlan:
+    """Plan (and compile through the cache) the decode / prefill pair for `base`'s shape."""
+    arch = normalize_arch(arch)
+    base = base.replace(arch=arch)
+
+    def check(block_m: int) -> GeometryVerdict:
+        return geometry_check(base.replace(block_m=block_m), cache)
+
+    layout = plan_pair_layout(capacity, base.topk, base.num_experts, env, check)
+    decode_spec = base.replace(block_m=layout.decode.block_m)
+    verdict = check(decode_spec.block_m)
+    if not verdict.ok:
+        raise ValueError(f"the decode specialization is not implementable: {verdict.reason}")
+    decode = BoundPlan(decode_spec, get_specialization(decode_spec, cache).value)
+    prefill = None
+    if layout.prefill is not None:
+        pspec = base.replace(block_m=layout.prefill.block_m)
+        prefill = BoundPlan(pspec, get_specialization(pspec, cache).value)
+    return ForwardPlan(layout, decode, prefill)
