@@ -116,6 +116,15 @@ def funnel_state(w_hi, w_lo, shift, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def funnel_hi(hi, lo, shift, *, loc=None, ip=None):
+    """Upper 32 bits of the 64-bit value (hi:lo) shifted left by `shift` (0..32, clamped)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [_u32(lo, loc, ip), _u32(hi, loc, ip), _u32(shift, loc, ip)],
+        "shf.l.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
 def bfe_u32(x, pos, length: int, *, loc=None, ip=None):
     """Unsigned bit-field extract of `length` bits of x starting at `pos`."""
     return Uint32(llvm.inline_asm(
@@ -136,5 +145,5 @@ def shfl_xor_f32(x, offset: int, *, loc=None, ip=None):
 
 __all__ = [
     "mma_f16_m16n8k16", "lop3_half2_sum", "mul1_half2", "pack_half2", "half2_to_f32",
-    "funnel_state", "bfe_u32", "shfl_xor_f32", "Int32",
+    "funnel_state", "funnel_hi", "bfe_u32", "shfl_xor_f32", "Int32",
 ]

@@ -97,6 +97,40 @@ class TrellisGemm:
         self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOut, n_routes, zero_row).launch(
             grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
+    def load_step(self, mA, mB, rU, rA, buf, kt, expert_base, j_base, rRow, w0, w1, w2, c):
+        """Issue the global loads of reduction step `kt` into register buffer `buf`."""
+        for jj in range(2):
+            base = (expert_base + kt * self.n_tiles16 + j_base + jj) * self.tile_words
+            rU[buf, jj, 0] = mB[base + w0]
+            rU[buf, jj, 1] = mB[base + w1]
+            rU[buf, jj, 2] = mB[base + w2]
+        ka = kt * 8 + c
+        for mt in range(self.m_tiles):
+            rA[buf, mt, 0] = mA[rRow[2 * mt], ka]
+            rA[buf, mt, 1] = mA[rRow[2 * mt + 1], ka]
+            rA[buf, mt, 2] = mA[rRow[2 * mt], ka + 4]
+            rA[buf, mt, 3] = mA[rRow[2 * mt + 1], ka + 4]
+
+    def decode_tile(self, u0, u1, u2, q0, rBf, jj):
+        """This lane's 8 weights of one 16x16 tile -> 4 half2 B registers (pairs in t order).
+
+        The 64-bit window starting at the lane's first state bit is aligned once with two
+        funnel shifts; every state then sits at a compile-time offset i*bits."""
+        w_hi = ptx.funnel_hi(u0, u1, q0)
+        w_lo = ptx.funnel_hi(u1, u2, q0)
+        states = []
+        for i in range(8):
+            o = i * self.bits
+            if o + 16 <= 32:
+                st = (w_hi >> (16 - o)) & Uint32(0xFFFF)
+            elif o >= 32:
+                st = (w_lo >> (48 - o)) & Uint32(0xFFFF)
+            else:
+                st = ptx.funnel_hi(w_hi, w_lo, Uint32(o)) >> 16
+            states.append(st)
+        for pair in range(4):
+            rBf[jj, pair] = decode_pair(states[2 * pair], states[2 * pair + 1], self.codebook)
+
     @cute.kernel
     def kernel(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
@@ -153,38 +187,33 @@ class TrellisGemm:
                 acc.fill(0.0)
                 expert_base = expert * (self.k_tiles * self.n_tiles16)
                 j_base = nt * (TILE_N // 16) + warp * 2
-                for kt in range(self.k_tiles):
-                    # Decode two 16x16 tiles (32 columns) of this warp: 4 half2 per tile.
-                    rBf = cute.make_rmem_tensor((2, 4), Uint32)
-                    for jj in cutlass.range_constexpr(2):
-                        base = ((expert_base + kt * self.n_tiles16 + j_base + jj) * self.tile_words)
-                        u0 = mB[base + w0]
-                        u1 = mB[base + w1]
-                        u2 = mB[base + w2]
-                        for pair in cutlass.range_constexpr(4):
-                            st = []
-                            for i in cutlass.range_constexpr(2):
-                                q = q0 + (2 * pair + i) * self.bits
-                                s_lo = ptx.funnel_state(u0, u1, Uint32(48 - q))
-                                s_hi = ptx.funnel_state(u1, u2, Uint32(80 - q))
-                                st.append(Uint32(cutlass.select_(q <= 48, s_lo, s_hi)))
-                            rBf[jj, pair] = decode_pair(st[0], st[1], self.codebook)
-                    for mt in cutlass.range_constexpr(self.m_tiles):
-                        ka = kt * 8 + c
-                        a0 = mA[rRow[2 * mt], ka]
-                        a1 = mA[rRow[2 * mt + 1], ka]
-                        a2 = mA[rRow[2 * mt], ka + 4]
-                        a3 = mA[rRow[2 * mt + 1], ka + 4]
-                        for nn in cutlass.range_constexpr(4):
-                            jj = nn // 2
-                            hh = nn % 2
-                            d0, d1, d2, d3 = ptx.mma_f16_m16n8k16(
-                                a0, a1, a2, a3, rBf[jj, 2 * hh], rBf[jj, 2 * hh + 1],
-                                acc[mt, nn, 0], acc[mt, nn, 1], acc[mt, nn, 2], acc[mt, nn, 3])
-                            acc[mt, nn, 0] = d0
-                            acc[mt, nn, 1] = d1
-                            acc[mt, nn, 2] = d2
-                            acc[mt, nn, 3] = d3
+                # Register double buffer: the words / A fragments of step kt+1 are loaded
+                # while step kt is decoded and multiplied.
+                rU = cute.make_rmem_tensor((2, 2, 3), Uint32)
+                rA = cute.make_rmem_tensor((2, self.m_tiles, 4), Uint32)
+                self.load_step(mA, mB, rU, rA, 0, 0, expert_base, j_base, rRow, w0, w1, w2, c)
+                for kt2 in range(0, self.k_tiles, 2):
+                    for s in cutlass.range_constexpr(2):
+                        kt = kt2 + s
+                        kn = kt + 1
+                        kn = Int32(cutlass.select_(kn < self.k_tiles, kn, self.k_tiles - 1))
+                        self.load_step(mA, mB, rU, rA, 1 - s, kn, expert_base, j_base, rRow,
+                                       w0, w1, w2, c)
+                        rBf = cute.make_rmem_tensor((2, 4), Uint32)
+                        for jj in cutlass.range_constexpr(2):
+                            self.decode_tile(rU[s, jj, 0], rU[s, jj, 1], rU[s, jj, 2], q0, rBf, jj)
+                        for mt in cutlass.range_constexpr(self.m_tiles):
+                            for nn in cutlass.range_constexpr(4):
+                                jj = nn // 2
+                                hh = nn % 2
+                                d0, d1, d2, d3 = ptx.mma_f16_m16n8k16(
+                                    rA[s, mt, 0], rA[s, mt, 1], rA[s, mt, 2], rA[s, mt, 3],
+                                    rBf[jj, 2 * hh], rBf[jj, 2 * hh + 1],
+                                    acc[mt, nn, 0], acc[mt, nn, 1], acc[mt, nn, 2], acc[mt, nn, 3])
+                                acc[mt, nn, 0] = d0
+                                acc[mt, nn, 1] = d1
+                                acc[mt, nn, 2] = d2
+                                acc[mt, nn, 3] = d3
                 col_base = nt * TILE_N + warp * 32 + 2 * c
                 for mt in cutlass.range_constexpr(self.m_tiles):
                     for hf in cutlass.range_constexpr(2):

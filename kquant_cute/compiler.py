@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .compile_cache import CompileCache, default_cache
+from .compile_cache import CompileCache, CompileCacheMiss, default_cache
 from .kernels import build as kbuild
 from .kernels.moe import MoESpec
 from .planners import GeometryVerdict, PlanEnv, arch_limits, check_resources, normalize_arch
@@ -97,6 +97,8 @@ def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> Geome
         return GeometryVerdict(block_m=spec.block_m, ok=False, reason=reason)
     try:
         res = get_specialization(spec, cache)
+    except CompileCacheMiss:
+        raise  # frozen / graph capture: never silently fall back to a narrower block
     except Exception as exc:  # a compile failure rejects the geometry, with its reason
         return GeometryVerdict(block_m=spec.block_m, ok=False,
                                reason=f"compile failed: {type(exc).__name__}: {exc}")

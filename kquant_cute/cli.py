@@ -1,0 +1,363 @@
+"""``kquant-compile``: prewarm the compile cache for the plans of one MoE layer shape.
+
+This module owns the command line only (arguments, progress, table, JSON, exit status);
+what to compile is :mod:`kquant_cute.prewarm`'s job and how entries are stored is
+:mod:`kquant_cute.compile_cache`'s.
+
+    kquant-compile                      # the Kimi-K3 TP8 shard for sm_120, capacity 8192
+    kquant-compile --sm 90 --sm 120 --experts 8 --hidden 256 --intermediate 256 --topk 2
+    kquant-compile --sm 90 --json       # machine-readable records on stdout
+    kquant-compile --sm 120 --describe  # also print the planner's describe() per arch
+    kquant-compile --list               # the cache entries (no compiling)
+    kquant-compile --clear [--sm ...]   # empty the cache (then compile, if --sm is given)
+    kquant-compile --frozen             # compile nothing: verify the cache is warm
+
+Exit status: 0 when every specialization the plans need (decode, chosen prefill) is
+usable; 1 when one of them failed or was rejected, or when something compiled in this run
+could not be written to the cache directory; 2 for usage errors (bad flag, invalid
+geometry, invalid ``KQUANT_W4A16_PREFILL_BLOCK_M`` / ``KQUANT_W4A16_PREFILL_MIN_M`` /
+``KQUANT_COMPILE_CACHE_DIR``). Rejected fallback candidates are fine.
+``KQUANT_COMPILE_FREEZE`` is ignored (this tool exists to compile); use ``--frozen``.
+Needs no GPU: every arch is cross-compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any, Optional, TextIO
+
+from .compile_cache import CompileCache, CompileCacheWarning
+from .kernels.moe import MoESpec
+from .planners import arch_limits, normalize_arch, resolve_env
+from .prewarm import (
+    DEFAULT_CAPACITY,
+    DEFAULT_GEOMETRY,
+    ArchPrewarm,
+    PrewarmEvent,
+    PrewarmRecord,
+    needed_failures,
+    prewarm_plans,
+)
+
+PROG = "kquant-compile"
+DEFAULT_SM = "120"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "f16": "float16", "half": "float16", "float16": "float16",
+    "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32",
+}
+
+__all__ = ["main", "build_parser", "format_table", "format_entries"]
+
+
+class _UsageError(Exception):
+    """A problem with the command line or the environment: exit status 2."""
+
+
+def _dtype(text: str) -> str:
+    return _DTYPE_ALIASES.get(text.strip().lower(), text)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (defaults: the BRIEF's Kimi-K3 TP8 shard, sm_120, 8192 tokens)."""
+    g = DEFAULT_GEOMETRY
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Compile (cross-compile, no GPU needed) every specialization the W4A16 "
+        "trellis MoE planner binds for a layer shape, into the kquant compile cache.",
+        epilog="Exit status: 0 ok; 1 a needed specialization (decode or chosen prefill) "
+        "failed or could not be persisted; 2 usage / environment error.",
+    )
+    p.add_argument("--sm", action="append", metavar="SM",
+                   help="target SM, repeatable: 90, 100, 120 (also 80/86/89, sm_90a...); "
+                   f"default {DEFAULT_SM}")
+    geo = p.add_argument_group("layer geometry (default: Kimi-K3 TP8 shard)")
+    geo.add_argument("--experts", type=_positive_int, default=g.num_experts, help=f"experts E (default {g.num_experts})")
+    geo.add_argument("--hidden", type=_positive_int, default=g.hidden, help=f"hidden size H (default {g.hidden})")
+    geo.add_argument("--intermediate", type=_positive_int, default=g.intermediate,
+                     help=f"intermediate size I per rank (default {g.intermediate})")
+    geo.add_argument("--topk", type=_positive_int, default=g.topk, help=f"experts per token (default {g.topk})")
+    geo.add_argument("--bits", type=_positive_int, default=g.bits, help=f"trellis bits per weight K (default {g.bits})")
+    geo.add_argument("--codebook", default=g.codebook, help=f"mcg, 3inst or mul1 (default {g.codebook})")
+    geo.add_argument("--act-dtype", type=_dtype, default=g.act_dtype, help=f"bf16 or fp16 (default {g.act_dtype})")
+    geo.add_argument("--out-dtype", type=_dtype, default=g.out_dtype,
+                     help=f"fp32, bf16 or fp16 (default {g.out_dtype})")
+    geo.add_argument("--activation", default=g.activation, help=f"silu or situ (default {g.activation})")
+    geo.add_argument("--per-expert-vectors", action="store_true",
+                     help="per-expert hidden-side suh/svh (EXL3) instead of shared ones (Kimi-K3)")
+    geo.add_argument("--expert-map", action="store_true", help="with a global->local expert map (EP)")
+    p.add_argument("--capacity", type=_positive_int, default=DEFAULT_CAPACITY,
+                   help=f"most tokens per call the plans serve (default {DEFAULT_CAPACITY})")
+    p.add_argument("--cache-dir", help="cache directory (overrides KQUANT_COMPILE_CACHE_DIR)")
+    p.add_argument("--json", action="store_true",
+                   help="print the records (or --list entries) as JSON on stdout")
+    p.add_argument("--describe", action="store_true", help="print the planner's describe() per arch")
+    p.add_argument("--list", action="store_true", help="list the cache entries and exit (no compiling)")
+    p.add_argument("--clear", action="store_true",
+                   help="delete every cache entry; then compile only if --sm is given")
+    p.add_argument("--frozen", action="store_true",
+                   help="compile nothing: a missing needed specialization fails (cache check)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    return p
+
+
+# -- progress ---------------------------------------------------------------------------
+class _Progress:
+    """Plain-text progress on a stream: carriage-return updates on a TTY, else one line per spec."""
+
+    WIDTH = 24
+
+    def __init__(self, stream: TextIO, *, tty: Optional[bool] = None) -> None:
+        self.stream = stream
+        self.tty = stream.isatty() if tty is None else tty
+        self._last = 0
+        self._open = False
+
+    def _bar(self, done: int, bound: int) -> str:
+        filled = min(self.WIDTH, self.WIDTH * done // max(bound, 1))
+        return "[" + "#" * filled + "-" * (self.WIDTH - filled) + "]"
+
+    def __call__(self, ev: PrewarmEvent) -> None:
+        count = f"{ev.index}/<={ev.bound}"
+        if ev.kind == "start":
+            if self.tty:
+                self._write(f"{self._bar(ev.index - 1, ev.bound)} {count} {ev.arch} M={ev.block_m} "
+                            f"compiling or loading... ({ev.elapsed:.1f} s)")
+            return
+        if ev.error is not None:
+            what = f"failed: {ev.error}"
+        else:
+            what = {"disk": "cached (disk)", "memory": "cached (memory)"}.get(ev.answer or "", ev.answer)
+        line = f"{count} {ev.arch} M={ev.block_m}: {what} ({ev.seconds:.2f} s)"
+        if self.tty:
+            self._write(f"{self._bar(ev.index, ev.bound)} {line}")
+        else:
+            self.stream.write(f"{PROG}: {line}\n")
+            self.stream.flush()
+
+    def _write(self, text: str) -> None:
+        pad = " " * max(0, self._last - len(text))
+        self.stream.write("\r" + text + pad)
+        self.stream.flush()
+        self._last = len(text)
+        self._open = True
+
+    def finish(self) -> None:
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
+
+
+# -- output -----------------------------------------------------------------------------
+REASON_WIDTH = 160  # the table clips reasons; --json has them whole
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _num(v: Optional[int]) -> str:
+    return "-" if v is None else f"{v:,}"
+
+
+def format_table(records: Sequence[PrewarmRecord]) -> str:
+    """One row per specialization: arch, M, role, status, regs, smem, spill, seconds, reason."""
+    head = ("arch", "M", "role", "status", "regs", "smem B", "spill B", "seconds", "reason")
+    rows = [head] + [
+        (r.arch, str(r.block_m), r.role, r.status + (" (built)" if r.cache == "compiled" and not r.ok else ""),
+         _num(r.registers), _num(r.shared_bytes), _num(r.spill_bytes), f"{r.seconds:.2f}",
+         _clip(r.reason or "", REASON_WIDTH))
+        for r in records
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+    right = {1, 4, 5, 6, 7}
+    lines = []
+    for row in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells + [row[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+def _totals(records: Sequence[PrewarmRecord], wall: float, cache: CompileCache) -> str:
+    counts = {s: sum(r.status == s for r in records) for s in ("compiled", "cached", "rejected", "failed")}
+    builds = sum(r.cache == "compiled" for r in records)
+    where = cache.directory or "memory only"
+    return (f"totals: {counts['compiled']} compiled, {counts['cached']} cached, "
+            f"{counts['rejected']} rejected, {counts['failed']} failed "
+            f"(builds this run: {builds}) in {wall:.2f} s wall; cache {where} ({cache.disk_mode})")
+
+
+def format_entries(entries: Sequence[dict[str, Any]], directory: Optional[str]) -> str:
+    """Human-readable ``--list``: one line per disk entry."""
+    lines = [f"{directory}: {len(entries)} entries"]
+    for m in entries:
+        key = str(m.get("key", ""))[:16]
+        if m.get("status") != "ok":
+            lines.append(f"  {key}  CORRUPT  {m.get('error', '')}")
+            continue
+        spec = m.get("spec") or {}
+        extra = m.get("extra") or {}
+        size = (m.get("payload") or {}).get("size", 0)
+        if "block_m" in spec:
+            what = (f"M={spec['block_m']:<2} E={spec.get('num_experts')} H={spec.get('hidden')} "
+                    f"I={spec.get('intermediate')} top{spec.get('topk')} K{spec.get('bits')} "
+                    f"{spec.get('codebook')} {spec.get('act_dtype')}->{spec.get('out_dtype')} "
+                    f"{spec.get('activation')}{' shared' if spec.get('shared_hidden_vectors') else ' perexp'}"
+                    f"{' map' if spec.get('has_expert_map') else ''}")
+        else:
+            what = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        lines.append(
+            f"  {key}  {m.get('name')}  {m.get('arch'):<8} {what}  regs={_num(extra.get('registers'))} "
+            f"smem={_num(extra.get('shared_bytes'))} spill={_num(extra.get('spill_bytes'))}  "
+            f"{size / 1024:.0f} KiB  built in {m.get('compile_seconds', 0):.2f} s  {m.get('created_utc', '')}"
+        )
+    return "\n".join(lines)
+
+
+# -- main -------------------------------------------------------------------------------
+def _geometry(args: argparse.Namespace) -> MoESpec:
+    return DEFAULT_GEOMETRY.replace(
+        num_experts=args.experts, hidden=args.hidden, intermediate=args.intermediate,
+        topk=args.topk, bits=args.bits, codebook=args.codebook, act_dtype=args.act_dtype,
+        out_dtype=args.out_dtype, activation=args.activation,
+        shared_hidden_vectors=not args.per_expert_vectors, has_expert_map=args.expert_map,
+    )
+
+
+def _archs(sms: Optional[Sequence[str]]) -> list[str]:
+    out: list[str] = []
+    for sm in sms or [DEFAULT_SM]:
+        try:
+            name = normalize_arch(sm)
+        except ValueError as exc:
+            raise _UsageError(f"--sm {sm}: {exc}") from None
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def _open_cache(args: argparse.Namespace) -> CompileCache:
+    try:
+        # frozen is explicit: KQUANT_COMPILE_FREEZE is for serving processes, not this tool.
+        return CompileCache(args.cache_dir, frozen=args.frozen)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+
+
+def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    if args.list and (args.sm or args.clear or args.describe or args.frozen):
+        raise _UsageError("--list only lists; do not combine it with --sm, --clear, --describe or --frozen")
+    if args.clear and args.frozen:
+        raise _UsageError("--clear and --frozen contradict each other")
+    cache = _open_cache(args)
+    if args.list:
+        entries = cache.entries()
+        print(json.dumps(entries, indent=1, sort_keys=True) if args.json
+              else format_entries(entries, cache.directory), file=out)
+        return EXIT_OK
+    if args.clear:
+        removed = cache.clear()
+        msg = f"removed {removed} entries from {cache.directory or 'memory'}"
+        if not args.sm:
+            print(json.dumps({"removed": removed, "directory": cache.directory}) if args.json else msg, file=out)
+            return EXIT_OK
+        print(f"{PROG}: {msg}", file=err)
+
+    archs = _archs(args.sm)
+    try:
+        env = resolve_env()
+    except ValueError as exc:
+        raise _UsageError(f"invalid plan environment: {exc}") from None
+    base = _geometry(args)
+    for arch in archs:
+        reason = base.replace(arch=arch).check(smem_limit=arch_limits(arch).smem_per_block_optin)
+        if reason is not None:
+            raise _UsageError(f"invalid geometry for {arch}: {reason}")
+
+    progress = None if args.quiet else _Progress(err)
+    t0 = time.perf_counter()
+    try:
+        results: list[ArchPrewarm] = prewarm_plans(base, archs=archs, capacity=args.capacity,
+                                                   env=env, cache=cache, progress=progress)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    finally:
+        if progress is not None:
+            progress.finish()
+    wall = time.perf_counter() - t0
+    records = [r for res in results for r in res.records]
+
+    text_out = err if args.json else out
+    if args.describe:
+        print("\n".join(res.describe() for res in results), file=text_out)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in records], indent=1), file=out)
+    else:
+        print(format_table(records), file=out)
+    print(_totals(records, wall, cache), file=text_out)
+
+    status = EXIT_OK
+    failures = needed_failures(records)
+    for r in failures:
+        print(f"{PROG}: error: {r.arch}: the {r.role} specialization M={r.block_m} "
+              f"{'failed' if r.status == 'failed' else 'was rejected'}: {r.reason}", file=err)
+        status = EXIT_FAILED
+    for res in results:
+        if res.error and not any(r.arch == res.arch for r in failures):
+            print(f"{PROG}: error: {res.arch}: {res.error}", file=err)
+            status = EXIT_FAILED
+    built = sum(r.cache == "compiled" for r in records)
+    if built and cache.disk_mode != "rw":
+        print(f"{PROG}: error: {built} specializations were compiled but not persisted "
+              f"(cache {cache.directory or 'memory only'} is {cache.disk_mode}); "
+              "pass --cache-dir with a writable directory", file=err)
+        status = EXIT_FAILED
+    return status
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``kquant-compile``; returns the exit status (see the module docstring)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    out, err = sys.stdout, sys.stderr
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", CompileCacheWarning)
+            warnings.showwarning = _show_warning  # restored by catch_warnings
+            return _run(args, out, err)
+    except _UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=err)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted", file=err)
+        return 130
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Optional[TextIO] = None, line: Optional[str] = None) -> None:
+    print(f"{PROG}: warning: {message}", file=sys.stderr if file is None else file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

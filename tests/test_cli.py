@@ -1,0 +1,244 @@
+"""Tests of kquant-compile (kquant_cute.cli) and kquant_cute.prewarm, CPU only.
+
+Real cross-compiles of a small geometry (8 experts, H = I = 256, top-2, capacity 512: the
+plans are decode M=8 and prefill M=64) for sm_90 and sm_120, once per module into a
+temporary cache directory; every other test reuses or copies that warm directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kquant_cute.compiler as compiler
+from kquant_cute.cli import _Progress, main
+from kquant_cute.compile_cache import KEYED_ENV_VARS, CompileCache
+from kquant_cute.planners import ENV_PREFILL_BLOCK_M, ENV_PREFILL_MIN_M, PlanEnv
+from kquant_cute.prewarm import (
+    DEFAULT_GEOMETRY,
+    PrewarmEvent,
+    needed_failures,
+    prewarm,
+    spec_bound,
+)
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--experts", "8", "--hidden", "256", "--intermediate", "256", "--topk", "2",
+         "--capacity", "512"]
+SMALL_SPEC = DEFAULT_GEOMETRY.replace(num_experts=8, hidden=256, intermediate=256, topk=2)
+CLEAN_ENV = ("KQUANT_COMPILE_CACHE_DIR", "KQUANT_COMPILE_FREEZE", ENV_PREFILL_BLOCK_M,
+             ENV_PREFILL_MIN_M, *KEYED_ENV_VARS)
+RECORD_KEYS = {"arch", "block_m", "role", "status", "reason", "registers", "shared_bytes",
+               "spill_bytes", "seconds"}
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in CLEAN_ENV:
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Cold run of ``--sm 90 --sm 120`` on the small geometry into a fresh cache dir."""
+    cache_dir = tmp_path_factory.mktemp("kq_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        for var in CLEAN_ENV:
+            mp.delenv(var, raising=False)
+        rc, out, err = run_main(["--sm", "90", "--sm", "120", *SMALL, "--cache-dir", str(cache_dir),
+                                 "--describe"])
+    yield {"dir": cache_dir, "rc": rc, "out": out, "err": err}
+
+
+def copy_cache(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_cold_run_compiles_decode_and_prefill(warm: dict[str, Any]) -> None:
+    assert warm["rc"] == 0, warm["err"]
+    rows = [line.split() for line in warm["out"].splitlines() if line.startswith("sm_")]
+    table = {(r[0], int(r[1])): (r[2], r[3]) for r in rows}
+    assert table == {
+        ("sm_90a", 8): ("decode", "compiled"), ("sm_90a", 64): ("prefill", "compiled"),
+        ("sm_120a", 8): ("decode", "compiled"), ("sm_120a", 64): ("prefill", "compiled"),
+    }
+    assert "totals: 4 compiled, 0 cached, 0 rejected, 0 failed (builds this run: 4)" in warm["out"]
+    assert "[sm_90a] W4A16 MoE plans" in warm["out"] and "prefill M=64" in warm["out"]
+    assert warm["err"].count("compiled (") == 4  # non-TTY progress: one line per spec
+    assert "\r" not in warm["err"]
+    assert len(list(warm["dir"].glob("*.json"))) == 4
+
+
+def test_warm_subprocess_json_all_cached(warm: dict[str, Any]) -> None:
+    before = {p.name: p.stat().st_mtime_ns for p in warm["dir"].glob("*.bin")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kquant_cute.cli", "--sm", "90", "--sm", "120", *SMALL,
+         "--cache-dir", str(warm["dir"]), "--json"],
+        capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(proc.stdout)  # stdout is pure JSON
+    assert len(records) == 4
+    for r in records:
+        assert RECORD_KEYS <= set(r)
+        assert r["status"] == "cached" and r["cache"] == "disk" and r["reason"] is None
+        assert r["registers"] > 0 and r["spill_bytes"] == 0
+    assert {(r["arch"], r["block_m"], r["role"]) for r in records} == {
+        ("sm_90a", 8, "decode"), ("sm_90a", 64, "prefill"),
+        ("sm_120a", 8, "decode"), ("sm_120a", 64, "prefill")}
+    assert "0 compiled, 4 cached" in proc.stderr and "(builds this run: 0)" in proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in warm["dir"].glob("*.bin")} == before
+
+
+def test_console_script(warm: dict[str, Any]) -> None:
+    exe = shutil.which("kquant-compile")
+    if exe is None:
+        pytest.skip("kquant-compile console script not on PATH (pip install -e .)")
+    proc = subprocess.run([exe, "--sm", "120", *SMALL, "--cache-dir", str(warm["dir"]), "-q"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "0 compiled, 2 cached" in proc.stdout and proc.stderr == ""
+
+
+def test_prewarm_api_and_progress(warm: dict[str, Any]) -> None:
+    cache = CompileCache(warm["dir"], frozen=True)  # frozen: proves nothing is compiled
+    events: list[PrewarmEvent] = []
+    records = prewarm(SMALL_SPEC, archs=("sm_90", 120, "sm_120a"), capacity=512,
+                      env=PlanEnv(), cache=cache, progress=events.append)
+    assert [(r.arch, r.block_m, r.role, r.status) for r in records] == [
+        ("sm_90a", 8, "decode", "cached"), ("sm_90a", 64, "prefill", "cached"),
+        ("sm_120a", 8, "decode", "cached"), ("sm_120a", 64, "prefill", "cached")]
+    assert needed_failures(records) == []
+    assert [(e.kind, e.block_m) for e in events[:2]] == [("start", 64), ("done", 64)]
+    assert all(e.bound == 10 for e in events) and events[-1].index == 4
+    assert cache.cache_info().compiles == 0
+    # A second prewarm on the same cache object is served from memory.
+    again = prewarm(SMALL_SPEC, archs=["120"], capacity=512, env=PlanEnv(), cache=cache)
+    assert {r.cache for r in again} == {"memory"}
+    assert spec_bound(SMALL_SPEC, 512, PlanEnv(prefill_disabled=True)) == 1
+    assert spec_bound(SMALL_SPEC, 512, PlanEnv(pinned_block_m=16)) == 2
+
+
+def test_list_and_clear(warm: dict[str, Any], tmp_path: Path) -> None:
+    rc, out, _ = run_main(["--list", "--cache-dir", str(warm["dir"])])
+    assert rc == 0
+    assert f"{warm['dir']}: 4 entries" in out
+    assert out.count("w4a16_trellis_moe") == 4 and "M=64" in out and "sm_120a" in out
+    rc, out, _ = run_main(["--list", "--json", "--cache-dir", str(warm["dir"])])
+    assert rc == 0 and len(json.loads(out)) == 4
+
+    scratch = copy_cache(warm["dir"], tmp_path / "c")
+    rc, out, _ = run_main(["--clear", "--cache-dir", str(scratch)])
+    assert rc == 0 and "removed 4 entries" in out
+    rc, out, _ = run_main(["--list", "--json", "--cache-dir", str(scratch)])
+    assert rc == 0 and json.loads(out) == []
+    assert run_main(["--list", "--sm", "90"])[0] == 2
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [(ENV_PREFILL_BLOCK_M, "12"), (ENV_PREFILL_BLOCK_M, "wide"), (ENV_PREFILL_MIN_M, "4")],
+)
+def test_bad_plan_env_exits_2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, var: str, value: str) -> None:
+    monkeypatch.setenv(var, value)
+    rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(tmp_path)])
+    assert rc == 2 and out == ""
+    assert var in err and "error" in err
+    assert list(tmp_path.glob("*.json")) == []
+
+
+def test_usage_errors_exit_2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    rc, _, err = run_main(["--sm", "75", "--cache-dir", str(tmp_path)])
+    assert rc == 2 and "unknown GPU architecture" in err
+    rc, _, err = run_main(["--sm", "120", "--hidden", "200", "--cache-dir", str(tmp_path)])
+    assert rc == 2 and "invalid geometry" in err and "multiple of 128" in err
+    rc, _, err = run_main(["--capacity", "0"])
+    assert rc == 2
+    monkeypatch.setenv("KQUANT_COMPILE_CACHE_DIR", "")
+    rc, _, err = run_main(["--list"])
+    assert rc == 2 and "KQUANT_COMPILE_CACHE_DIR" in err
+
+
+def test_pinned_and_disabled_prefill(warm: dict[str, Any], tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    scratch = copy_cache(warm["dir"], tmp_path / "c")
+    monkeypatch.setenv(ENV_PREFILL_BLOCK_M, "16")
+    rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(scratch), "--json",
+                             "--describe"])
+    assert rc == 0, err
+    got = [(r["block_m"], r["role"], r["status"]) for r in json.loads(out)]
+    assert got == [(8, "decode", "cached"), (16, "prefill", "compiled")]
+    assert f"prefill M pinned to 16 by {ENV_PREFILL_BLOCK_M}" in err  # describe -> stderr with --json
+
+    monkeypatch.setenv(ENV_PREFILL_BLOCK_M, "0")
+    rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(scratch), "--json"])
+    assert rc == 0, err
+    assert [(r["block_m"], r["role"]) for r in json.loads(out)] == [(8, "decode")]
+
+
+def test_rejected_fallback_is_reported_not_fatal(warm: dict[str, Any], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A measured-resource rejection of M=64 (simulated: > 200 registers) falls back to 48."""
+    real = compiler.check_resources
+
+    def strict(limits, *, smem_bytes: int, registers: int, spills: int, threads: int):
+        if registers > 200:
+            return f"{registers} registers > 200 (test limit)"
+        return real(limits, smem_bytes=smem_bytes, registers=registers, spills=spills, threads=threads)
+
+    monkeypatch.setattr(compiler, "check_resources", strict)
+    scratch = copy_cache(warm["dir"], tmp_path / "c")
+    rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(scratch), "--json"])
+    assert rc == 0, err
+    recs = json.loads(out)
+    assert [(r["block_m"], r["role"], r["status"]) for r in recs] == [
+        (8, "decode", "cached"), (64, "fallback-rejected", "rejected"), (48, "prefill", "compiled")]
+    assert "registers > 200 (test limit)" in recs[1]["reason"] and recs[1]["registers"] > 200
+    assert "1 compiled, 1 cached, 1 rejected, 0 failed" in err
+
+
+def test_frozen_checks_without_compiling(warm: dict[str, Any], tmp_path: Path) -> None:
+    rc, out, _ = run_main(["--sm", "90", "--sm", "120", *SMALL, "--cache-dir", str(warm["dir"]),
+                           "--frozen"])
+    assert rc == 0 and "0 compiled, 4 cached" in out
+    rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(tmp_path), "--frozen"])
+    assert rc == 1
+    assert "decode" in err and "CompileCacheMiss" in err
+    assert list(tmp_path.glob("*.bin")) == []
+
+
+def test_progress_tty_uses_carriage_returns() -> None:
+    buf = io.StringIO()
+    p = _Progress(buf, tty=True)
+    p(PrewarmEvent("start", "sm_120a", 64, 1, 2, 0.0))
+    p(PrewarmEvent("done", "sm_120a", 64, 1, 2, 1.5, "compiled", 1.5))
+    p.finish()
+    text = buf.getvalue()
+    assert text.startswith("\r[") and text.count("\r") == 2 and text.endswith("\n")
+    assert "M=64: compiled (1.50 s)" in text
