@@ -65,6 +65,7 @@ def main(argv=None):
     p.add_argument("--blocks", type=int, nargs="+", default=[8, 16, 32, 48, 64])
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: the kernel's)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     t0 = time.time()
@@ -76,11 +77,12 @@ def main(argv=None):
         row = {"tokens": m}
         for M in a.blocks:
             env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(M), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
-            layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env)
+            layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env,
+                             stages=a.stages)
             ms, used = time_layer(layer, m, a, iters=a.iters)
             row[f"M{M}"] = ms if used == M or m <= 8 else None
             del layer
-        layer = MoELayer(wts, topk=16, capacity=max(a.tokens), activation="situ")
+        layer = MoELayer(wts, topk=16, capacity=max(a.tokens), activation="situ", stages=a.stages)
         ms, used = time_layer(layer, m, a, iters=a.iters)
         row["plan"], row["plan_M"] = ms, used
         del layer

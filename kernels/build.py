@@ -64,7 +64,8 @@ def find_cuobjdump() -> str | None:
     return None
 
 
-def read_resources(cubin_path: str) -> list[KernelResources]:
+def read_resources(cubin_path: str, dynamic_smem: dict | None = None) -> list[KernelResources]:
+    """Per-kernel resources of a cubin; `shared` = static + the launch's dynamic bytes."""
     exe = find_cuobjdump()
     if exe is None:
         raise RuntimeError("cuobjdump not found (install nvidia-cuda-cuobjdump or set CUDA_HOME)")
@@ -79,7 +80,9 @@ def read_resources(cubin_path: str) -> list[KernelResources]:
         rm = _RES_RE.search(line)
         if rm and name is not None:
             reg, stack, shared, local = map(int, rm.groups())
-            out.append(KernelResources(_short_kernel_name(name), reg, stack, shared, local))
+            short = _short_kernel_name(name)
+            shared += (dynamic_smem or {}).get(short, 0)
+            out.append(KernelResources(short, reg, stack, shared, local))
             name = None
     return out
 
@@ -144,7 +147,8 @@ def compile_forward(spec: MoESpec) -> tuple[bytes, dict]:
                                 options=f"--gpu-arch {spec.arch} --keep-cubin --dump-dir {tmp}")
         seconds = time.perf_counter() - t0
         cubins = glob.glob(os.path.join(tmp, "*.cubin"))
-        resources = read_resources(cubins[0]) if cubins and find_cuobjdump() else []
+        resources = (read_resources(cubins[0], spec.dynamic_smem())
+                     if cubins and find_cuobjdump() else [])
         obj = compiled.dump_to_object(OBJECT_PREFIX)
     meta = {"compile_seconds": round(seconds, 3), **resource_summary(resources),
             "resources_measured": bool(resources)}

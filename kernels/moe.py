@@ -28,7 +28,7 @@ from kquant_cute import trellis as fmt
 
 from .rotate import ACTIVATIONS, CombineOutput, MidActivation, RotateInput
 from .route_pack import RoutePack
-from .trellis_gemm import BLOCK_SIZES, MMA_CODEBOOKS, TrellisGemm
+from .trellis_gemm import DEFAULT_STAGES, TrellisGemm, smem_bytes as gemm_smem_bytes
 
 ACT_DTYPES = ("bfloat16", "float16")
 OUT_DTYPES = ("float32", "bfloat16", "float16")
@@ -72,6 +72,7 @@ class MoESpec:
     activation: str = "silu"
     shared_hidden_vectors: bool = False
     has_expert_map: bool = False
+    stages: int = DEFAULT_STAGES
     arch: str = "sm_90a"
 
     def check(self, smem_limit: int | None = None) -> str | None:
@@ -90,7 +91,8 @@ class MoESpec:
             return f"topk {self.topk} > {MAX_TOPK}"
         for k_dim, n_dim in ((self.hidden, self.intermediate), (self.intermediate, self.hidden)):
             reason = TrellisGemm.can_implement(block_m=self.block_m, k_dim=k_dim, n_dim=n_dim,
-                                               bits=self.bits, codebook=self.codebook)
+                                               bits=self.bits, codebook=self.codebook,
+                                               stages=self.stages, smem_limit=smem_limit)
             if reason is not None:
                 return reason
         words = self.num_experts * self.hidden * self.intermediate * self.bits // 32
@@ -100,6 +102,11 @@ class MoESpec:
             return (f"route pack needs {RoutePack.smem_bytes(self.num_experts):,} B shared "
                     f"memory > {smem_limit:,} B limit of {self.arch}")
         return None
+
+    def dynamic_smem(self) -> dict:
+        """Dynamic shared memory per block of each kernel (bytes), by kernel class name."""
+        return {"TrellisGemm": gemm_smem_bytes(self.block_m, self.bits, self.stages),
+                "RoutePack": RoutePack.smem_bytes(self.num_experts)}
 
     def max_tokens(self) -> int:
         """Largest token count whose scratch indices stay inside 32-bit range."""
@@ -112,7 +119,7 @@ class MoESpec:
         return (f"kq_moe_m{self.block_m}_k{self.bits}_{self.codebook}_{self.act_dtype}_"
                 f"{self.out_dtype}_{self.activation}_{'shared' if self.shared_hidden_vectors else 'perexp'}"
                 f"{'_map' if self.has_expert_map else ''}_e{self.num_experts}_h{self.hidden}_"
-                f"i{self.intermediate}_t{self.topk}_{self.arch}")
+                f"i{self.intermediate}_t{self.topk}_s{self.stages}_{self.arch}")
 
 
 def dsl_dtype(name: str, spec: MoESpec):
@@ -138,12 +145,12 @@ class MoEForward:
                                      has_map=spec.has_expert_map)
         self.gemm1 = TrellisGemm(block_m=spec.block_m, k_dim=spec.hidden, n_dim=spec.intermediate,
                                  bits=spec.bits, codebook=spec.codebook, topk=spec.topk,
-                                 a_rows_per_token=not per_route)
+                                 a_rows_per_token=not per_route, stages=spec.stages)
         self.mid = MidActivation(intermediate=spec.intermediate, activation=spec.activation,
                                  has_map=spec.has_expert_map)
         self.gemm2 = TrellisGemm(block_m=spec.block_m, k_dim=spec.intermediate, n_dim=spec.hidden,
                                  bits=spec.bits, codebook=spec.codebook, topk=spec.topk,
-                                 a_rows_per_token=False)
+                                 a_rows_per_token=False, stages=spec.stages)
         self.combine = CombineOutput(hidden=spec.hidden, topk=spec.topk,
                                      shared_svh=spec.shared_hidden_vectors,
                                      has_map=spec.has_expert_map,

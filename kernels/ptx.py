@@ -9,7 +9,7 @@ scalars (Int32 / Uint32 / Float32) and returning DSL scalars.
 
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -125,6 +125,29 @@ def funnel_hi(hi, lo, shift, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None):
+    """16-byte global -> shared asynchronous copy (L2 only: .cg)."""
+    llvm.inline_asm(
+        None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "cp.async.cg.shared.global [$0], [$1], 16;", "r,l",
+        has_side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def ldmatrix_x4(smem_addr, *, loc=None, ip=None):
+    """Four 8x8 b16 matrices from shared memory (lane i addresses row i % 8 of matrix i // 8);
+    returns this lane's four registers in matrix order."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r", has_side_effects=True, loc=loc, ip=ip,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
 def bfe_u32(x, pos, length: int, *, loc=None, ip=None):
     """Unsigned bit-field extract of `length` bits of x starting at `pos`."""
     return Uint32(llvm.inline_asm(
@@ -145,5 +168,5 @@ def shfl_xor_f32(x, offset: int, *, loc=None, ip=None):
 
 __all__ = [
     "mma_f16_m16n8k16", "lop3_half2_sum", "mul1_half2", "pack_half2", "half2_to_f32",
-    "funnel_state", "funnel_hi", "bfe_u32", "shfl_xor_f32", "Int32",
+    "funnel_state", "funnel_hi", "cp_async_16", "ldmatrix_x4", "bfe_u32", "shfl_xor_f32", "Int32",
 ]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 
 from kquant_cute import trellis as fmt
 
@@ -32,6 +32,18 @@ NUM_WARPS = 4
 THREADS = 32 * NUM_WARPS
 BLOCK_SIZES = (8, 16, 32, 48, 64)
 MMA_CODEBOOKS = ("mcg", "3inst", "mul1")
+K_STEPS_PER_STAGE = 4  # 16-wide reduction steps per pipeline stage (64 elements)
+A_ROW_HALVES = 16 * K_STEPS_PER_STAGE + 8  # padded smem row: conflict-free ldmatrix
+DEFAULT_STAGES = 4
+MAX_STAGES = 8
+
+
+def smem_bytes(block_m: int, bits: int, stages: int) -> int:
+    """Dynamic shared memory of one CTA: `stages` x (A rows + the 8 trellis tile columns)."""
+    m_pad = (block_m + 15) // 16 * 16
+    a_stage = m_pad * A_ROW_HALVES * 2
+    b_stage = (TILE_N // 16) * K_STEPS_PER_STAGE * 32 * bits
+    return stages * (a_stage + b_stage)
 
 
 def decode_pair(s0, s1, codebook: str):
@@ -55,9 +67,9 @@ class TrellisGemm:
     """One specialization of the trellis grouped GEMM (see module docstring)."""
 
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
-                 topk: int, a_rows_per_token: bool):
+                 topk: int, a_rows_per_token: bool, stages: int = DEFAULT_STAGES):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
-                                    codebook=codebook)
+                                    codebook=codebook, stages=stages)
         if reason is not None:
             raise ValueError(reason)
         self.block_m = block_m
@@ -67,16 +79,27 @@ class TrellisGemm:
         self.codebook = codebook
         self.topk = topk
         self.a_rows_per_token = a_rows_per_token
+        self.stages = stages
         # Derived once.
         self.m_tiles = (block_m + 15) // 16
+        self.m_pad = 16 * self.m_tiles
         self.k_tiles = k_dim // fmt.TILE
+        self.k_stages = self.k_tiles // K_STEPS_PER_STAGE
         self.n_tiles16 = n_dim // fmt.TILE
         self.n_tiles = n_dim // TILE_N
         self.tile_words = 8 * bits  # uint32 words per 16x16 trellis tile
         self.ring_bits = 256 * bits
+        self.a_stage_halves = self.m_pad * A_ROW_HALVES
+        self.b_stage_words = (TILE_N // 16) * K_STEPS_PER_STAGE * self.tile_words
+        self.a_chunks = block_m * (K_STEPS_PER_STAGE * 16 * 2 // 16)  # 16-byte copies per stage
+        self.b_chunks = K_STEPS_PER_STAGE * (TILE_N // 16) * self.tile_words * 4 // 16
+        self.a_iters = (self.a_chunks + THREADS - 1) // THREADS
+        self.b_iters = (self.b_chunks + THREADS - 1) // THREADS
+        self.smem_bytes = smem_bytes(block_m, bits, stages)
 
     @staticmethod
-    def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str) -> str | None:
+    def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
+                      stages: int = DEFAULT_STAGES, smem_limit: int | None = None) -> str | None:
         """None when this geometry compiles to a valid kernel, else the reason."""
         if block_m not in BLOCK_SIZES:
             return f"block_m {block_m} not in {BLOCK_SIZES}"
@@ -88,6 +111,11 @@ class TrellisGemm:
         for name, dim in (("k_dim", k_dim), ("n_dim", n_dim)):
             if dim <= 0 or dim % fmt.HADAMARD_BLOCK:
                 return f"{name} {dim} is not a positive multiple of {fmt.HADAMARD_BLOCK}"
+        if not 2 <= stages <= MAX_STAGES:
+            return f"stages {stages} outside 2..{MAX_STAGES}"
+        need = smem_bytes(block_m, bits, stages)
+        if smem_limit is not None and need > smem_limit:
+            return f"shared memory {need:,} B > {smem_limit:,} B per-block limit"
         return None
 
     @cute.jit
@@ -95,21 +123,7 @@ class TrellisGemm:
                  pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
                  n_routes: Int32, zero_row: Int32, grid: Int32, stream):
         self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOut, n_routes, zero_row).launch(
-            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
-
-    def load_step(self, mA, mB, rU, rA, buf, kt, expert_base, j_base, rRow, w0, w1, w2, c):
-        """Issue the global loads of reduction step `kt` into register buffer `buf`."""
-        for jj in range(2):
-            base = (expert_base + kt * self.n_tiles16 + j_base + jj) * self.tile_words
-            rU[buf, jj, 0] = mB[base + w0]
-            rU[buf, jj, 1] = mB[base + w1]
-            rU[buf, jj, 2] = mB[base + w2]
-        ka = kt * 8 + c
-        for mt in range(self.m_tiles):
-            rA[buf, mt, 0] = mA[rRow[2 * mt], ka]
-            rA[buf, mt, 1] = mA[rRow[2 * mt + 1], ka]
-            rA[buf, mt, 2] = mA[rRow[2 * mt], ka + 4]
-            rA[buf, mt, 3] = mA[rRow[2 * mt + 1], ka + 4]
+            grid=[grid, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream)
 
     def decode_tile(self, u0, u1, u2, q0, rBf, jj):
         """This lane's 8 weights of one 16x16 tile -> 4 half2 B registers (pairs in t order).
@@ -131,18 +145,44 @@ class TrellisGemm:
         for pair in range(4):
             rBf[jj, pair] = decode_pair(states[2 * pair], states[2 * pair + 1], self.codebook)
 
+    def issue_stage(self, ks, buf, a_gaddr, b_gbase, a_saddr, b_saddr, rAsrc, tidx):
+        """cp.async the A rows and trellis words of pipeline stage `ks` into buffer `buf`."""
+        # Threads past the last chunk repeat an earlier chunk (same bytes, same place), so no
+        # thread needs a branch.
+        for i in range(self.a_iters):
+            q = (tidx + THREADS * i) % self.a_chunks
+            row = q // 8
+            col = q % 8
+            src = a_gaddr + (rAsrc[i] * self.k_dim + ks * (16 * K_STEPS_PER_STAGE) + col * 8) * 2
+            dst = a_saddr + ((buf * self.m_pad + row) * A_ROW_HALVES + col * 8) * 2
+            ptx.cp_async_16(dst, src)
+        run_chunks = (TILE_N // 16) * self.tile_words * 4 // 16  # 16-B chunks of one k-tile's 8 tiles
+        for i in range(self.b_iters):
+            q = (tidx + THREADS * i) % self.b_chunks
+            kl = q // run_chunks
+            within = q % run_chunks
+            kt = ks * K_STEPS_PER_STAGE + kl
+            src = b_gbase + Int64(kt * self.n_tiles16 * self.tile_words * 4 + within * 16)
+            dst = b_saddr + (buf * self.b_stage_words + kl * (TILE_N // 16) * self.tile_words) * 4 + within * 16
+            ptx.cp_async_16(dst, src)
+
     @cute.kernel
     def kernel(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
                n_routes: Int32, zero_row: Int32):
         big = 1 << 30
-        kw = self.k_dim // 2
-        mA = cute.make_tensor(cute.recast_ptr(pA, dtype=Uint32), cute.make_layout((big, kw), stride=(kw, 1)))
-        mB = cute.make_tensor(cute.recast_ptr(pB, dtype=Uint32), cute.make_layout(big))
         mSorted = cute.make_tensor(pSorted, cute.make_layout(big))
         mBlockExpert = cute.make_tensor(pBlockExpert, cute.make_layout(big))
         mNumPadded = cute.make_tensor(pNumPadded, cute.make_layout(1))
         mOut = cute.make_tensor(pOut, cute.make_layout((big, self.n_dim), stride=(self.n_dim, 1)))
+        a_gaddr = pA.toint()
+        b_gaddr = pB.toint()
+
+        smem = cutlass.utils.SmemAllocator()
+        sA = smem.allocate_tensor(cutlass.Float16, cute.make_layout(self.stages * self.a_stage_halves), 128)
+        sB = smem.allocate_tensor(Uint32, cute.make_layout(self.stages * self.b_stage_words), 128)
+        a_saddr = sA.iterator.toint()
+        b_saddr = sB.iterator.toint()
 
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -161,59 +201,71 @@ class TrellisGemm:
         w1 = Int32(cutlass.select_(w1 >= self.tile_words, w1 - self.tile_words, w1))
         w2 = w1 + 1
         w2 = Int32(cutlass.select_(w2 >= self.tile_words, w2 - self.tile_words, w2))
+        # ldmatrix row address of this lane inside one 16-row m tile.
+        lm_row = ((lane // 8) % 2) * 8 + lane % 8
+        lm_col = (lane // 16) * 8
 
         num_blocks = mNumPadded[0] // self.block_m
         total = num_blocks * self.n_tiles
-        rRow = cute.make_rmem_tensor((2 * self.m_tiles,), Int32)
         rRoute = cute.make_rmem_tensor((2 * self.m_tiles,), Int32)
+        rAsrc = cute.make_rmem_tensor((self.a_iters,), Int32)
         acc = cute.make_rmem_tensor((self.m_tiles, 4, 4), Float32)
         for work in range(bidx, total, gdim):
             blk = work // self.n_tiles
             nt = work - blk * self.n_tiles
             expert = mBlockExpert[blk]
             if expert >= 0:
+                # Source rows of this thread's A copies (padding slots read the zero row).
+                for i in cutlass.range_constexpr(self.a_iters):
+                    row = ((tidx + THREADS * i) % self.a_chunks) // 8
+                    r = mSorted[blk * self.block_m + row]
+                    a_row = r
+                    if self.a_rows_per_token:
+                        a_row = r // self.topk
+                    rAsrc[i] = Int32(cutlass.select_(r < n_routes, a_row, zero_row))
+                # Route ids of this lane's accumulator rows (for the stores).
                 for h in cutlass.range_constexpr(2 * self.m_tiles):
                     row_in_block = (h // 2) * 16 + (h % 2) * 8
                     if row_in_block < self.block_m:
-                        r = mSorted[blk * self.block_m + row_in_block + g]
-                        rRoute[h] = r
-                        a_row = r
-                        if self.a_rows_per_token:
-                            a_row = r // self.topk
-                        rRow[h] = Int32(cutlass.select_(r < n_routes, a_row, zero_row))
+                        rRoute[h] = mSorted[blk * self.block_m + row_in_block + g]
                     else:
                         rRoute[h] = n_routes
-                        rRow[h] = zero_row
                 acc.fill(0.0)
-                expert_base = expert * (self.k_tiles * self.n_tiles16)
-                j_base = nt * (TILE_N // 16) + warp * 2
-                # Register double buffer: the words / A fragments of step kt+1 are loaded
-                # while step kt is decoded and multiplied.
-                rU = cute.make_rmem_tensor((2, 2, 3), Uint32)
-                rA = cute.make_rmem_tensor((2, self.m_tiles, 4), Uint32)
-                self.load_step(mA, mB, rU, rA, 0, 0, expert_base, j_base, rRow, w0, w1, w2, c)
-                for kt2 in range(0, self.k_tiles, 2):
-                    for s in cutlass.range_constexpr(2):
-                        kt = kt2 + s
-                        kn = kt + 1
-                        kn = Int32(cutlass.select_(kn < self.k_tiles, kn, self.k_tiles - 1))
-                        self.load_step(mA, mB, rU, rA, 1 - s, kn, expert_base, j_base, rRow,
-                                       w0, w1, w2, c)
+                b_gbase = b_gaddr + Int64(expert * (self.k_tiles * self.n_tiles16) + nt * (TILE_N // 16)) * (self.tile_words * 4)
+                for s in cutlass.range_constexpr(self.stages - 1):
+                    if s < self.k_stages:
+                        self.issue_stage(s, s, a_gaddr, b_gbase, a_saddr, b_saddr, rAsrc, tidx)
+                    cute.arch.cp_async_commit_group()
+                for ks in range(self.k_stages):
+                    cute.arch.cp_async_wait_group(self.stages - 2)
+                    cute.arch.sync_threads()
+                    nxt = ks + self.stages - 1
+                    if nxt < self.k_stages:
+                        self.issue_stage(nxt, nxt % self.stages, a_gaddr, b_gbase, a_saddr, b_saddr,
+                                         rAsrc, tidx)
+                    cute.arch.cp_async_commit_group()
+                    buf = ks % self.stages
+                    for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
                         rBf = cute.make_rmem_tensor((2, 4), Uint32)
                         for jj in cutlass.range_constexpr(2):
-                            self.decode_tile(rU[s, jj, 0], rU[s, jj, 1], rU[s, jj, 2], q0, rBf, jj)
+                            tb = buf * self.b_stage_words + (kk * (TILE_N // 16) + warp * 2 + jj) * self.tile_words
+                            self.decode_tile(sB[tb + w0], sB[tb + w1], sB[tb + w2], q0, rBf, jj)
                         for mt in cutlass.range_constexpr(self.m_tiles):
+                            a_addr = a_saddr + ((buf * self.m_pad + mt * 16 + lm_row) * A_ROW_HALVES
+                                                + kk * 16 + lm_col) * 2
+                            a0, a1, a2, a3 = ptx.ldmatrix_x4(a_addr)
                             for nn in cutlass.range_constexpr(4):
                                 jj = nn // 2
                                 hh = nn % 2
                                 d0, d1, d2, d3 = ptx.mma_f16_m16n8k16(
-                                    rA[s, mt, 0], rA[s, mt, 1], rA[s, mt, 2], rA[s, mt, 3],
-                                    rBf[jj, 2 * hh], rBf[jj, 2 * hh + 1],
+                                    a0, a1, a2, a3, rBf[jj, 2 * hh], rBf[jj, 2 * hh + 1],
                                     acc[mt, nn, 0], acc[mt, nn, 1], acc[mt, nn, 2], acc[mt, nn, 3])
                                 acc[mt, nn, 0] = d0
                                 acc[mt, nn, 1] = d1
                                 acc[mt, nn, 2] = d2
                                 acc[mt, nn, 3] = d3
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()  # the next work item refills every buffer
                 col_base = nt * TILE_N + warp * 32 + 2 * c
                 for mt in cutlass.range_constexpr(self.m_tiles):
                     for hf in cutlass.range_constexpr(2):

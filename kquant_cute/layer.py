@@ -78,7 +78,7 @@ class MoELayer:
     def __init__(self, weights: MoEWeights, *, topk: int, capacity: int,
                  act_dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.float32,
                  activation: str = "silu", num_global_experts: Optional[int] = None,
-                 arch: Optional[str] = None, environ=None):
+                 arch: Optional[str] = None, stages: Optional[int] = None, environ=None):
         if not isinstance(weights, MoEWeights):
             raise TypeError("weights must be a kquant_cute.weights.MoEWeights")
         if weights.device.type != "cuda":
@@ -102,6 +102,8 @@ class MoELayer:
                        out_dtype=_dtype_name(out_dtype), activation=activation,
                        shared_hidden_vectors=weights.shared_hidden_vectors,
                        has_expert_map=num_global_experts is not None)
+        if stages is not None:
+            base = base.replace(stages=stages)
         if capacity > base.max_tokens():
             raise ValueError(f"capacity {capacity} > {base.max_tokens()} (32-bit scratch indexing)")
         self.plan: ForwardPlan = plan_forward(base, capacity=capacity, arch=arch, env=env)
@@ -121,8 +123,8 @@ class MoELayer:
             "down_suh": w.down_suh, "down_svh": w.down_svh,
         }
         for name, t in self._weight_tensors.items():
-            if not t.is_contiguous():
-                raise ValueError(f"weights.{name} must be contiguous")
+            if not t.is_contiguous() or t.data_ptr() % 16:
+                raise ValueError(f"weights.{name} must be contiguous and 16-byte aligned")
         # A placeholder int32 so the expert_map argument always has a valid address.
         self._no_map = torch.full((1,), -1, dtype=torch.int32, device=self.device)
 
@@ -152,6 +154,8 @@ class MoELayer:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x})")
 
     def bind(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
              out: Optional[torch.Tensor] = None, expert_map: Optional[torch.Tensor] = None,

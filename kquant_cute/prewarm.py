@@ -319,6 +319,13 @@ def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv,
     error: Optional[str] = None
     try:
         layout = plan_forward(spec, capacity=capacity, arch=arch, env=env, cache=rcache).layout
+    except CompileCacheMiss as exc:
+        # Frozen: a missing specialization is never replaced by a narrower one; report it.
+        m = int(exc.spec.get("block_m", DECODE_BLOCK_M)) if isinstance(exc.spec, Mapping) else DECODE_BLOCK_M
+        role: Role = "decode" if m == DECODE_BLOCK_M else "prefill"
+        rec_ = PrewarmRecord(arch=arch, block_m=m, role=role, status="failed",
+                             reason=error_text(exc), kernel=spec.replace(block_m=m).kernel_name())
+        return ArchPrewarm(arch=arch, layout=None, records=[rec_], error=error_text(exc))
     except ValueError as exc:
         # plan_forward raises when the decode specialization is not implementable; the
         # prefill walk's answers are memoised, so re-running the layout costs nothing.

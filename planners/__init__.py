@@ -1,1 +1,68 @@
-"""Route-size policy, per-SM geometry model and the decode / prefill plans (pure Python)."""
+"""Route-size policy, per-SM geometry model and the decode / prefill plans (pure Python).
+
+* :mod:`.policy` -- route block sizes, the M-selection policy and route-slot bounds.
+* :mod:`.geometry` -- the per-SM limits table and the one resource validity predicate.
+* :mod:`.plans` -- environment knobs, prefill block choice with fallback, plan-pair layout.
+
+Nothing here imports torch or cutlass.
+"""
+
+from .geometry import (
+    ARCH_TABLE,
+    ArchLimits,
+    GeometryVerdict,
+    arch_limits,
+    check_resources,
+    geometry_verdict,
+    known_archs,
+    normalize_arch,
+)
+from .plans import (
+    DECODE_BLOCK_M,
+    DEFAULT_PREFILL_MIN_M,
+    ENV_PREFILL_BLOCK_M,
+    ENV_PREFILL_MIN_M,
+    GeometryCheck,
+    PlanEnv,
+    PlanLayout,
+    PlanPairLayout,
+    choose_prefill_block,
+    plan_pair_layout,
+    resolve_env,
+)
+from .policy import (
+    FILL_TARGET,
+    ROUTE_BLOCK_SIZES,
+    max_route_blocks,
+    padded_route_slots,
+    route_block_sizes_for_capacity,
+    select_route_block_size_m,
+)
+
+__all__ = [
+    "ARCH_TABLE",
+    "ArchLimits",
+    "DECODE_BLOCK_M",
+    "DEFAULT_PREFILL_MIN_M",
+    "ENV_PREFILL_BLOCK_M",
+    "ENV_PREFILL_MIN_M",
+    "FILL_TARGET",
+    "GeometryCheck",
+    "GeometryVerdict",
+    "PlanEnv",
+    "PlanLayout",
+    "PlanPairLayout",
+    "ROUTE_BLOCK_SIZES",
+    "arch_limits",
+    "check_resources",
+    "choose_prefill_block",
+    "geometry_verdict",
+    "known_archs",
+    "max_route_blocks",
+    "normalize_arch",
+    "padded_route_slots",
+    "plan_pair_layout",
+    "resolve_env",
+    "route_block_sizes_for_capacity",
+    "select_route_block_size_m",
+]

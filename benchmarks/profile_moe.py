@@ -1,0 +1,62 @@
+"""Per-kernel GPU time of one fused forward (torch.profiler / CUPTI), BRIEF geometry.
+
+    python benchmarks/profile_moe.py [--tokens 16 1536] [--block-m M]
+
+Prints, per token count, each kernel's share of one forward (averaged over replays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+import torch
+
+
+def main(argv=None):
+    from kquant_cute.layer import MoELayer
+    from kquant_cute.weights import MoEWeights
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 1536])
+    p.add_argument("--block-m", type=int, default=None)
+    p.add_argument("--reps", type=int, default=10)
+    a = p.parse_args(argv)
+    wts = MoEWeights.random(896, 3584, 384, 4, "mcg", shared_hidden_vectors=True, seed=0, device="cuda")
+    for m in a.tokens:
+        env = {}
+        if a.block_m:
+            env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(a.block_m), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
+        layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env)
+        g = torch.Generator(device="cuda").manual_seed(m)
+        x = torch.randn(m, 3584, generator=g, device="cuda").to(torch.bfloat16)
+        ids = torch.rand(m, 896, generator=g, device="cuda").topk(16, dim=1).indices.to(torch.int32).contiguous()
+        w = torch.full((m, 16), 1 / 16, device="cuda")
+        bound = layer.bind(x, ids, w)
+        for _ in range(3):
+            bound.run()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.reps):
+                bound.run()
+            torch.cuda.synchronize()
+        totals = collections.Counter()
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                name = ev.name
+                for key in ("TrellisGemm", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
+                    if key in name:
+                        name = key
+                        break
+                totals[name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        total = sum(totals.values()) / a.reps
+        print(f"tokens={m} M={bound.block_m}: {total / 1000:.3f} ms of kernel time per forward")
+        for name, t in totals.most_common():
+            print(f"  {name:24s} {t / a.reps / 1000:8.3f} ms  {100 * t / a.reps / total:5.1f}%")
+        del layer
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

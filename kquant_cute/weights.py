@@ -1,0 +1,489 @@
+"""Expert-weight objects: validated trellis linear layers and stacked MoE expert weights.
+
+This module owns the in-memory weight containers the planners and kernels consume:
+
+* :class:`TrellisLinear` -- one EXL3 / QSRT trellis-coded linear layer (``trellis``,
+  ``suh``, ``svh``, optional ``bias``, codebook), with loaders from checkpoint tensor
+  mappings and the dense / reference-forward views from :mod:`kquant_cute.trellis`;
+* :class:`MoEWeights` -- the gate / up / down projections of a layer's experts stacked
+  along a leading expert axis, with either per-expert or shared (Kimi-K3 / b12x style)
+  hidden-side rotation vectors, plus a seeded random constructor for tests and benches.
+
+Both are frozen dataclasses validated on construction: every inconsistency raises a
+ValueError that names the offending tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from . import trellis as tc
+
+__all__ = ["TrellisLinear", "MoEWeights", "PROJECTIONS"]
+
+#: Projection names of one expert, in kernel order.
+PROJECTIONS = ("gate", "up", "down")
+
+
+def _check_tensor(name: str, value: object, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {value.dtype}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
+
+
+def _trellis_geometry(name: str, value: object, ndim: int) -> tuple[int, ...]:
+    """Validate an int16 trellis tensor of ``ndim`` dims; return its shape."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype != torch.int16:
+        raise ValueError(f"{name} must be torch.int16, got {value.dtype}")
+    if value.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(value.shape)}")
+    if value.shape[-1] == 0 or value.shape[-1] % tc.TILE:
+        raise ValueError(
+            f"{name} last dimension must be 16*K (K bits per weight), got shape "
+            f"{tuple(value.shape)}"
+        )
+    return tuple(value.shape)
+
+
+def _check_features(name: str, in_features: int, out_features: int) -> None:
+    for axis, n in (("in", in_features), ("out", out_features)):
+        if n <= 0 or n % tc.HADAMARD_BLOCK:
+            raise ValueError(
+                f"{name}: {axis}_features = {n} is not a positive multiple of "
+                f"{tc.HADAMARD_BLOCK}"
+            )
+
+
+def _check_bits(name: str, codebook: str, bits: int) -> None:
+    try:
+        tc.check_codebook(codebook, bits)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _same_device(name: str, tensors: Mapping[str, Optional[torch.Tensor]]) -> torch.device:
+    devices = {k: v.device for k, v in tensors.items() if v is not None}
+    unique = set(devices.values())
+    if len(unique) > 1:
+        listing = ", ".join(f"{k} on {d}" for k, d in devices.items())
+        raise ValueError(f"{name}: tensors are on different devices ({listing})")
+    return next(iter(unique))
+
+
+# --------------------------------------------------------------------------------------
+# One linear layer
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class TrellisLinear:
+    """One trellis-coded linear layer ``y = x @ W`` with ``W`` [in, out].
+
+    ``trellis`` int16 [in/16, out/16, 16K]; ``suh`` fp16 [in]; ``svh`` fp16 [out];
+    ``bias`` fp16 [out] or None; ``codebook`` one of :data:`kquant_cute.trellis.CODEBOOKS`.
+    ``W = diag(suh) H_blk W_hat H_blk diag(svh)`` (see :func:`kquant_cute.trellis.dense_weight`).
+    """
+
+    trellis: torch.Tensor
+    suh: torch.Tensor
+    svh: torch.Tensor
+    codebook: str
+    bias: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        shape = _trellis_geometry("trellis", self.trellis, 3)
+        if self.codebook not in tc.CODEBOOKS:
+            raise ValueError(
+                f"unknown codebook {self.codebook!r}; expected one of {tc.CODEBOOKS}"
+            )
+        bits = shape[2] // tc.TILE
+        _check_bits("trellis", self.codebook, bits)
+        n_in, n_out = shape[0] * tc.TILE, shape[1] * tc.TILE
+        _check_features("trellis", n_in, n_out)
+        _check_tensor("suh", self.suh, torch.float16, (n_in,))
+        _check_tensor("svh", self.svh, torch.float16, (n_out,))
+        if self.bias is not None:
+            _check_tensor("bias", self.bias, torch.float16, (n_out,))
+        _same_device(
+            "TrellisLinear",
+            {"trellis": self.trellis, "suh": self.suh, "svh": self.svh, "bias": self.bias},
+        )
+
+    @property
+    def bits(self) -> int:
+        """K, bits per weight."""
+        return self.trellis.shape[-1] // tc.TILE
+
+    @property
+    def in_features(self) -> int:
+        return self.trellis.shape[0] * tc.TILE
+
+    @property
+    def out_features(self) -> int:
+        return self.trellis.shape[1] * tc.TILE
+
+    @property
+    def device(self) -> torch.device:
+        return self.trellis.device
+
+    # -- loaders -----------------------------------------------------------------------
+
+    @staticmethod
+    def _take(tensors: Mapping[str, torch.Tensor], prefix: str, key: str) -> torch.Tensor:
+        full = prefix + key
+        if full not in tensors:
+            raise ValueError(f"missing tensor {full!r}")
+        return tensors[full]
+
+    @classmethod
+    def from_exl3(
+        cls, tensors: Mapping[str, torch.Tensor], prefix: str = ""
+    ) -> "TrellisLinear":
+        """Build from EXL3 checkpoint tensors ``{prefix}trellis``, ``suh``, ``svh``, ``bias``.
+
+        The codebook follows the marker tensors: ``{prefix}mcg`` present -> "mcg", else
+        ``{prefix}mul1`` -> "mul1", else "3inst" (only presence matters).
+        """
+        if prefix + "mcg" in tensors:
+            codebook = "mcg"
+        elif prefix + "mul1" in tensors:
+            codebook = "mul1"
+        else:
+            codebook = "3inst"
+        return cls._load(tensors, prefix, codebook)
+
+    @classmethod
+    def from_qsrt(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        codebook: str = "sqg_e4m3",
+        prefix: str = "",
+    ) -> "TrellisLinear":
+        """Build from QSRT tensors (same names as EXL3; the codebook is given)."""
+        return cls._load(tensors, prefix, codebook)
+
+    @classmethod
+    def _load(
+        cls, tensors: Mapping[str, torch.Tensor], prefix: str, codebook: str
+    ) -> "TrellisLinear":
+        return cls(
+            trellis=cls._take(tensors, prefix, "trellis"),
+            suh=cls._take(tensors, prefix, "suh"),
+            svh=cls._take(tensors, prefix, "svh"),
+            codebook=codebook,
+            bias=tensors.get(prefix + "bias"),
+        )
+
+    @classmethod
+    def from_dense(
+        cls,
+        w: torch.Tensor,
+        bits: int,
+        codebook: str = "mcg",
+        *,
+        bias: Optional[torch.Tensor] = None,
+        generator: Optional[torch.Generator] = None,
+        device: Optional[torch.device | str] = None,
+        **quantize_options: Any,
+    ) -> "TrellisLinear":
+        """Quantize a dense ``w`` [in, out] with :func:`kquant_cute.quantize.quantize`.
+
+        ``quantize_options`` are passed through (e.g. ``scale_factors``).
+        """
+        from .quantize import quantize  # local: keeps this module's import light
+
+        q = quantize(w, bits, codebook, generator=generator, device=device, **quantize_options)
+        if bias is not None:
+            bias = bias.to(device=q["trellis"].device, dtype=torch.float16)
+        return cls(q["trellis"], q["suh"], q["svh"], codebook, bias)
+
+    # -- views -------------------------------------------------------------------------
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight ``W`` [in, out] such that ``y = x @ W (+ bias)``."""
+        return tc.dense_weight(self.trellis, self.suh, self.svh, self.codebook, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Four-step reference forward (float32, or float64 for float64 ``x``)."""
+        return tc.linear_forward(x, self.trellis, self.suh, self.svh, self.codebook, self.bias)
+
+    __call__ = forward
+
+    def to(self, device: torch.device | str) -> "TrellisLinear":
+        bias = self.bias.to(device) if self.bias is not None else None
+        return TrellisLinear(
+            self.trellis.to(device), self.suh.to(device), self.svh.to(device), self.codebook,
+            bias,
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Stacked MoE experts
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class MoEWeights:
+    """A layer's experts, each projection stacked along a leading expert axis E.
+
+    * ``gate_trellis``, ``up_trellis``: int16 [E, H/16, I/16, 16K] (FC1, [H, I] each);
+      ``down_trellis``: int16 [E, I/16, H/16, 16K] (FC2, [I, H]).
+    * ``gate_suh``, ``up_suh``: fp16 [E, H] per expert, or [H] shared by all experts;
+      ``down_svh``: fp16 [E, H] or [H] (shared) -- the three hidden-side vectors are
+      either all per-expert or all shared.
+    * ``gate_svh``, ``up_svh``, ``down_suh``: fp16 [E, I].
+    * ``codebook``: one codebook and one K for all projections.
+    """
+
+    gate_trellis: torch.Tensor
+    up_trellis: torch.Tensor
+    down_trellis: torch.Tensor
+    gate_suh: torch.Tensor
+    gate_svh: torch.Tensor
+    up_suh: torch.Tensor
+    up_svh: torch.Tensor
+    down_suh: torch.Tensor
+    down_svh: torch.Tensor
+    codebook: str
+
+    def __post_init__(self) -> None:
+        if self.codebook not in tc.CODEBOOKS:
+            raise ValueError(
+                f"unknown codebook {self.codebook!r}; expected one of {tc.CODEBOOKS}"
+            )
+        gate = _trellis_geometry("gate_trellis", self.gate_trellis, 4)
+        up = _trellis_geometry("up_trellis", self.up_trellis, 4)
+        down = _trellis_geometry("down_trellis", self.down_trellis, 4)
+        if up != gate:
+            raise ValueError(
+                f"up_trellis shape {up} must equal gate_trellis shape {gate}"
+            )
+        e, h16, i16, k16 = gate
+        expected_down = (e, i16, h16, k16)
+        if down != expected_down:
+            if down[-1] != k16:
+                raise ValueError(
+                    f"down_trellis has {down[-1] // tc.TILE} bits per weight, gate/up have "
+                    f"{k16 // tc.TILE}: all projections must share K"
+                )
+            raise ValueError(
+                f"down_trellis must have shape {expected_down} ([E, I/16, H/16, 16K]), got "
+                f"{down}"
+            )
+        if e == 0:
+            raise ValueError("gate_trellis has zero experts")
+        bits = k16 // tc.TILE
+        _check_bits("gate_trellis", self.codebook, bits)
+        hidden, inter = h16 * tc.TILE, i16 * tc.TILE
+        _check_features("gate_trellis", hidden, inter)
+
+        hidden_side = {"gate_suh": self.gate_suh, "up_suh": self.up_suh,
+                       "down_svh": self.down_svh}
+        for name, vec in hidden_side.items():
+            if not isinstance(vec, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(vec).__name__}")
+        dims = {name: vec.dim() for name, vec in hidden_side.items()}
+        if set(dims.values()) == {1}:
+            shared = True
+        elif set(dims.values()) == {2}:
+            shared = False
+        else:
+            listing = ", ".join(f"{n} {tuple(v.shape)}" for n, v in hidden_side.items())
+            raise ValueError(
+                "hidden-side vectors must be all shared ([H]) or all per-expert ([E, H]); "
+                f"got {listing}"
+            )
+        hshape = (hidden,) if shared else (e, hidden)
+        for name, vec in hidden_side.items():
+            _check_tensor(name, vec, torch.float16, hshape)
+        for name in ("gate_svh", "up_svh", "down_suh"):
+            _check_tensor(name, getattr(self, name), torch.float16, (e, inter))
+        _same_device("MoEWeights", {name: getattr(self, name) for name in self._tensor_names()})
+
+    @staticmethod
+    def _tensor_names() -> tuple[str, ...]:
+        return ("gate_trellis", "up_trellis", "down_trellis", "gate_suh", "gate_svh",
+                "up_suh", "up_svh", "down_suh", "down_svh")
+
+    # -- properties --------------------------------------------------------------------
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_trellis.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.gate_trellis.shape[1] * tc.TILE
+
+    @property
+    def intermediate(self) -> int:
+        return self.gate_trellis.shape[2] * tc.TILE
+
+    @property
+    def bits(self) -> int:
+        return self.gate_trellis.shape[3] // tc.TILE
+
+    @property
+    def shared_hidden_vectors(self) -> bool:
+        """True iff gate_suh, up_suh and down_svh are shared ([H]) across experts."""
+        return self.gate_suh.dim() == 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate_trellis.device
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for every stacked tensor, in field order."""
+        for name in self._tensor_names():
+            yield name, getattr(self, name)
+
+    # -- views and conversions -----------------------------------------------------------
+
+    def expert(self, e: int) -> dict[str, TrellisLinear]:
+        """The three projections of expert ``e`` as :class:`TrellisLinear` views."""
+        n = self.num_experts
+        if not -n <= e < n:
+            raise IndexError(f"expert index {e} out of range for {n} experts")
+
+        def hid(vec: torch.Tensor) -> torch.Tensor:
+            return vec if self.shared_hidden_vectors else vec[e]
+
+        return {
+            "gate": TrellisLinear(self.gate_trellis[e], hid(self.gate_suh), self.gate_svh[e],
+                                  self.codebook),
+            "up": TrellisLinear(self.up_trellis[e], hid(self.up_suh), self.up_svh[e],
+                                self.codebook),
+            "down": TrellisLinear(self.down_trellis[e], self.down_suh[e], hid(self.down_svh),
+                                  self.codebook),
+        }
+
+    def to(self, device: torch.device | str) -> "MoEWeights":
+        moved = {name: t.to(device) for name, t in self.tensors()}
+        return MoEWeights(codebook=self.codebook, **moved)
+
+    @classmethod
+    def from_experts(cls, experts: Sequence[Mapping[str, TrellisLinear]]) -> "MoEWeights":
+        """Stack per-expert ``{"gate", "up", "down"}`` layers.
+
+        The hidden-side vectors (gate.suh, up.suh, down.svh) are stored shared ([H]) when
+        every expert's are identical, per expert ([E, H]) otherwise.
+        """
+        if len(experts) == 0:
+            raise ValueError("from_experts needs at least one expert")
+        codebook = None
+        for idx, ex in enumerate(experts):
+            missing = [p for p in PROJECTIONS if p not in ex]
+            if missing:
+                raise ValueError(f"expert {idx} is missing projections {missing}")
+            for p in PROJECTIONS:
+                layer = ex[p]
+                if not isinstance(layer, TrellisLinear):
+                    raise ValueError(
+                        f"expert {idx} {p} must be a TrellisLinear, got {type(layer).__name__}"
+                    )
+                if layer.bias is not None:
+                    raise ValueError(f"expert {idx} {p} has a bias; MoE experts take none")
+                if codebook is None:
+                    codebook = layer.codebook
+                elif layer.codebook != codebook:
+                    raise ValueError(
+                        f"expert {idx} {p} uses codebook {layer.codebook!r}, expected "
+                        f"{codebook!r}: all experts must share one codebook"
+                    )
+        assert codebook is not None
+
+        def stack(proj: str, attr: str) -> torch.Tensor:
+            parts = [getattr(ex[proj], attr) for ex in experts]
+            shapes = {tuple(t.shape) for t in parts}
+            if len(shapes) > 1:
+                raise ValueError(f"{proj}.{attr} shapes differ across experts: {sorted(shapes)}")
+            return torch.stack(parts)
+
+        hidden_side = {"gate_suh": ("gate", "suh"), "up_suh": ("up", "suh"),
+                       "down_svh": ("down", "svh")}
+        stacked_hidden = {name: stack(*src) for name, src in hidden_side.items()}
+        shared = all(bool((v == v[:1]).all()) for v in stacked_hidden.values())
+        if shared:
+            stacked_hidden = {name: v[0].clone() for name, v in stacked_hidden.items()}
+        return cls(
+            gate_trellis=stack("gate", "trellis"),
+            up_trellis=stack("up", "trellis"),
+            down_trellis=stack("down", "trellis"),
+            gate_svh=stack("gate", "svh"),
+            up_svh=stack("up", "svh"),
+            down_suh=stack("down", "suh"),
+            codebook=codebook,
+            **stacked_hidden,
+        )
+
+    @classmethod
+    def random(
+        cls,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        bits: int,
+        codebook: str = "mcg",
+        *,
+        shared_hidden_vectors: bool = False,
+        seed: int = 0,
+        device: Optional[torch.device | str] = None,
+    ) -> "MoEWeights":
+        """Seeded random experts with O(1) activations for O(1) inputs.
+
+        Trellis codes are uniform random bits (every bitstream is valid). Input-side
+        vectors (``suh``) are random-sign with magnitudes in [0.75, 1.25), so the rotated
+        activations keep the input's scale. Output-side vectors (``svh``) are random-sign
+        with magnitudes around ``1 / (sqrt(in_features) * rms(codebook))``, so each
+        projection maps unit-RMS inputs to roughly unit-RMS outputs. The same seed gives
+        the same weights on every device (generated on the CPU, one expert at a time).
+        """
+        for name, n in (("num_experts", num_experts), ("hidden", hidden),
+                        ("intermediate", intermediate), ("bits", bits), ("seed", seed)):
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise ValueError(f"{name} must be an int, got {n!r}")
+        if num_experts <= 0:
+            raise ValueError(f"num_experts must be positive, got {num_experts}")
+        _check_bits("random", codebook, bits)
+        _check_features("random", hidden, intermediate)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        gen = torch.Generator().manual_seed(seed)
+        rms = float(tc.codebook_lut(codebook, bits).square().mean().sqrt())
+
+        def codes(rows: int, cols: int) -> torch.Tensor:
+            out = torch.empty(num_experts, rows // tc.TILE, cols // tc.TILE, tc.TILE * bits,
+                              dtype=torch.int16, device=dev)
+            for e in range(num_experts):
+                out[e].copy_(tc.random_trellis(rows, cols, bits, gen))
+            return out
+
+        def vec(shape: tuple[int, ...], magnitude: float) -> torch.Tensor:
+            sign = torch.randint(0, 2, shape, generator=gen).to(torch.float32) * 2.0 - 1.0
+            mag = torch.rand(shape, generator=gen) * 0.5 + 0.75
+            return (sign * mag * magnitude).to(torch.float16).to(dev)
+
+        out_fc1 = 1.0 / (math.sqrt(hidden) * rms)
+        out_fc2 = 1.0 / (math.sqrt(intermediate) * rms)
+        hshape = (hidden,) if shared_hidden_vectors else (num_experts, hidden)
+        ishape = (num_experts, intermediate)
+        return cls(
+            gate_trellis=codes(hidden, intermediate),
+            up_trellis=codes(hidden, intermediate),
+            down_trellis=codes(intermediate, hidden),
+            gate_suh=vec(hshape, 1.0),
+            gate_svh=vec(ishape, out_fc1),
+            up_suh=vec(hshape, 1.0),
+            up_svh=vec(ishape, out_fc1),
+            down_suh=vec(ishape, 1.0),
+            down_svh=vec(hshape, out_fc2),
+            codebook=codebook,
+        )
