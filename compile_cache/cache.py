@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from . import keys as _keys
-from .keys import PathLike, canonical_json, make_key
+from .keys import PathLike, canonical_json, make_key, runtime_versions
 from .store import CorruptEntry, DiskStore, StoredEntry, probe_directory
 
 __all__ = [
@@ -588,6 +588,7 @@ class CompileCache:
             "compile_seconds": round(compile_seconds, 6),
             "created": now,
             "created_utc": _dt.datetime.fromtimestamp(now, _dt.timezone.utc).isoformat(timespec="seconds"),
+            "built_with": runtime_versions(),  # informational: not part of the key
             "extra": extra,
         }
         store = self._store

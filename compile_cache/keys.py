@@ -22,8 +22,14 @@ canonical JSON document (sorted keys, no whitespace, no NaN) holding:
     sha256 of the bytes of caller-named source files, each with its base name (not its
     full path, so a checkout and an installed wheel with identical files agree).
 ``versions``
-    nvidia-cutlass-dsl, cuda-bindings (cuda-python), torch, and Python
-    (implementation + major.minor). See :func:`toolchain_versions`.
+    The toolchain that produces the payload: nvidia-cutlass-dsl (its MLIR compiler, ptxas
+    and runtime ABI travel with it). See :func:`toolchain_versions`. cuda-bindings, torch
+    and Python are recorded in every entry's metadata (:func:`runtime_versions`) but NOT
+    keyed: the payload is a relocatable object (host launch code + cubin) loaded by the
+    DSL runtime, independent of them, and keying them would make a build box's prewarmed
+    cache useless to a serving machine with another Python or torch (the H200 here runs
+    Python 3.12 / torch 2.11, the build machines 3.11 / 2.13). Bump
+    :data:`CACHE_FORMAT_VERSION` if a kernel ever embeds something that depends on them.
 ``options``
     The compile options string passed to ``cute.compile``.
 ``env``
@@ -63,6 +69,7 @@ __all__ = [
     "hash_sources",
     "host_component",
     "make_key",
+    "runtime_versions",
     "toolchain_versions",
     "validate_arch",
 ]
@@ -94,6 +101,9 @@ _ARCH_RE = re.compile(r"^sm_[0-9]{2,3}[a-z]?$")
 # (distribution names tried in order, importable module used as a fallback)
 _VERSIONED: dict[str, tuple[tuple[str, ...], str]] = {
     "nvidia_cutlass_dsl": (("nvidia-cutlass-dsl",), "cutlass"),
+}
+#: Recorded in entry metadata for diagnosis, not keyed (see the module docstring).
+_RUNTIME_VERSIONED: dict[str, tuple[tuple[str, ...], str]] = {
     "cuda_bindings": (("cuda-bindings", "cuda-python"), "cuda.bindings"),
     "torch": (("torch",), "torch"),
 }
@@ -164,15 +174,20 @@ def _version_of(dists: tuple[str, ...], module: str) -> str:
 @functools.lru_cache(maxsize=1)
 def _toolchain_versions_cached() -> tuple[tuple[str, str], ...]:
     found = {name: _version_of(dists, module) for name, (dists, module) in _VERSIONED.items()}
-    impl = sys.implementation.name
-    found["python"] = f"{impl}-{sys.version_info.major}.{sys.version_info.minor}"
     return tuple(sorted(found.items()))
+
+
+def runtime_versions() -> dict[str, str]:
+    """cuda-bindings, torch and Python of this process: entry metadata only, never keyed."""
+    found = {name: _version_of(dists, module) for name, (dists, module) in _RUNTIME_VERSIONED.items()}
+    found["python"] = f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}"
+    return found
 
 
 def toolchain_versions() -> dict[str, str]:
     """Versions keyed into every entry, computed once per process.
 
-    Keys: ``nvidia_cutlass_dsl``, ``cuda_bindings``, ``torch``, ``python``. Package
+    Keys: ``nvidia_cutlass_dsl``. Package
     metadata is read first (cheap, imports nothing); only a package missing from the
     metadata is imported to read ``__version__``. A missing package reads ``"absent"``.
     """

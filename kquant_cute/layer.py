@@ -78,7 +78,8 @@ class MoELayer:
     def __init__(self, weights: MoEWeights, *, topk: int, capacity: int,
                  act_dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.float32,
                  activation: str = "silu", num_global_experts: Optional[int] = None,
-                 arch: Optional[str] = None, stages: Optional[int] = None, environ=None):
+                 arch: Optional[str] = None, stages: Optional[int] = None, environ=None,
+                 cache=None):
         if not isinstance(weights, MoEWeights):
             raise TypeError("weights must be a kquant_cute.weights.MoEWeights")
         if weights.device.type != "cuda":
@@ -106,7 +107,8 @@ class MoELayer:
             base = base.replace(stages=stages)
         if capacity > base.max_tokens():
             raise ValueError(f"capacity {capacity} > {base.max_tokens()} (32-bit scratch indexing)")
-        self.plan: ForwardPlan = plan_forward(base, capacity=capacity, arch=arch, env=env)
+        self.plan: ForwardPlan = plan_forward(base, capacity=capacity, arch=arch, env=env,
+                                              cache=cache)
         self.plan.load()
         n = capacity * topk
         slots = max(padded_route_slots(n, weights.num_experts, s.block_m)

@@ -619,3 +619,16 @@ def test_cute_dsl_object_round_trip(tmp_path: Path) -> None:
     # A second worker run is served from disk without compiling.
     again = _result(_run_worker("cute", {**args, "reference": str(tmp_path / "unused.o")}), timeout=240)
     assert again["status"] == "disk" and not (tmp_path / "unused.o").exists()
+
+
+def test_runtime_versions_recorded_but_not_keyed(tmp_path) -> None:
+    """A build box (Python 3.11, torch 2.13) must fill a cache a serving host with another
+    Python / torch can use: only the DSL version is keyed, the rest is metadata."""
+    _, components = cc_keys.make_key("k", {"a": 1}, arch="sm_90a")
+    assert set(components["versions"]) == {"nvidia_cutlass_dsl"}
+    cache = CompileCache(tmp_path)
+    res = cache.get_or_build_result("k", {"a": 1}, arch="sm_90a", build=lambda: (b"x", {}),
+                                    load=lambda path, meta: meta)
+    built = res.meta["built_with"]
+    assert set(built) == {"cuda_bindings", "torch", "python"}
+    assert built["python"].endswith(f"{sys.version_info.major}.{sys.version_info.minor}")

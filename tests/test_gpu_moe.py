@@ -240,3 +240,36 @@ def test_brief_geometry_1536_tokens():
     assert not torch.isnan(out).any()
     ref = reference_moe(x, ids, w, wts, activation="situ", dtype=torch.float64)
     assert _rel_err(out, ref) < 1e-2
+
+
+def test_cpu_prewarmed_cache_frozen_matches_jit():
+    """Objects compiled on a CPU-only machine (`kquant-compile --sm 90`, default geometry)
+    load frozen here with zero compiles and give bitwise the outputs of a JIT compile."""
+    import os
+
+    from kquant_cute.compile_cache import CompileCache
+    from kquant_cute.layer import MoELayer
+    from kquant_cute.prewarm import DEFAULT_CAPACITY, DEFAULT_GEOMETRY
+    from kquant_cute.reference import reference_moe
+    from kquant_cute.weights import MoEWeights
+
+    prewarmed = os.environ.get("KQUANT_PREWARMED_CACHE_DIR")
+    if not prewarmed:
+        pytest.skip("set KQUANT_PREWARMED_CACHE_DIR to a cache filled by `kquant-compile --sm 90` on a CPU machine")
+    g = DEFAULT_GEOMETRY
+    wts = MoEWeights.random(g.num_experts, g.hidden, g.intermediate, g.bits, g.codebook,
+                            shared_hidden_vectors=g.shared_hidden_vectors, seed=12, device="cuda")
+    frozen = CompileCache(prewarmed, frozen=True)
+    jit = CompileCache(disk=False)
+    kw = dict(topk=g.topk, capacity=DEFAULT_CAPACITY, activation=g.activation, environ={})
+    layer_aot = MoELayer(wts, cache=frozen, **kw)
+    assert frozen.cache_info().compiles == 0 and frozen.cache_info().disk_loads >= 1
+    layer_jit = MoELayer(wts, cache=jit, **kw)
+    assert jit.cache_info().compiles >= 1
+    for m in (16, 1536):
+        x, ids, w = _inputs(m, g.hidden, g.topk, g.num_experts, torch.bfloat16, seed=m)
+        out_aot = _run(layer_aot, x, ids, w).clone()
+        out_jit = _run(layer_jit, x, ids, w).clone()
+        assert torch.equal(out_aot, out_jit), f"m={m}: AOT and JIT outputs differ"
+        ref = reference_moe(x, ids, w, wts, activation=g.activation, dtype=torch.float64)
+        assert _rel_err(out_aot, ref) < 1e-2
