@@ -47,7 +47,8 @@ def main(argv=None):
                 name = ev.name
                 for key in ("TrellisGemm", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
                     if key in name:
-                        name = key
+                        # GEMM specializations differ by their trailing index (FC1 vs FC2).
+                        name = key + (name[-3:] if key == "TrellisGemm" else "")
                         break
                 totals[name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
         total = sum(totals.values()) / a.reps

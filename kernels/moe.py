@@ -12,7 +12,7 @@ synchronisation and no allocation:
 
 Every pointer argument is a raw device address and every size a 32-bit integer, so an
 object compiled on a CPU-only machine has the same C ABI as a JIT compile on the GPU.
-Token count, routed experts and grid size are run-time values.
+Token count, routed experts and the grid (from the plan's block bound) are run-time values.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ ARG_NAMES = (
     ("xg", "float16"), ("xu", "float16"), ("g", "float32"), ("u", "float32"),
     ("a2", "float16"), ("y", "float32"), ("out", "out"),
     ("m", None), ("max_blocks", None), ("rows_cap", None), ("routes_cap", None),
-    ("grid", None),
 )
 
 
@@ -161,8 +160,7 @@ class MoEForward:
                  down_trellis, gate_suh, up_suh, gate_svh, up_svh, down_suh, down_svh,
                  sorted_routes, block_expert, num_padded, expert_offsets, expert_counts,
                  xg, xu, g, u, a2, y, out,
-                 m: Int32, max_blocks: Int32, rows_cap: Int32, routes_cap: Int32, grid: Int32,
-                 stream):
+                 m: Int32, max_blocks: Int32, rows_cap: Int32, routes_cap: Int32, stream):
         n_routes = m * self.spec.topk
         rows = n_routes
         a_zero_row = routes_cap
@@ -173,10 +171,10 @@ class MoEForward:
                   expert_offsets, expert_counts, n_routes, max_blocks, stream)
         self.rotate_in(x, gate_suh, up_suh, topk_ids, expert_map, xg, xu, rows, stream)
         self.gemm1(xg, gate_trellis, sorted_routes, block_expert, num_padded, g, n_routes,
-                   a_zero_row, grid, stream)
+                   a_zero_row, max_blocks, stream)
         self.gemm1(xu, up_trellis, sorted_routes, block_expert, num_padded, u, n_routes,
-                   a_zero_row, grid, stream)
+                   a_zero_row, max_blocks, stream)
         self.mid(g, u, gate_svh, up_svh, down_suh, topk_ids, expert_map, a2, n_routes, stream)
         self.gemm2(a2, down_trellis, sorted_routes, block_expert, num_padded, y, n_routes,
-                   routes_cap, grid, stream)
+                   routes_cap, max_blocks, stream)
         self.combine(y, down_svh, topk_ids, expert_map, topk_weights, out, m, stream)

@@ -62,6 +62,23 @@ def lop3_half2_sum(x0, x1, mask, xor, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def lop3_pair_scalar_add(x0, x1, mask: int, xor: int, *, loc=None, ip=None):
+    """Same values as `lop3_half2_sum`, balanced across pipes: the two lo+hi sums are
+    scalar fp16 adds (FMA pipe) and only the final pack is a byte permute (ALU pipe),
+    instead of two permutes and one packed add."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [_u32(x0, loc, ip), _u32(x1, loc, ip)],
+        "{\n\t.reg .b32 p, q;\n\t.reg .f16 pl, ph, ql, qh, a, b;\n\t"
+        f"lop3.b32 p, $1, {mask:#010x}, {xor:#010x}, 0x6A;\n\t"
+        f"lop3.b32 q, $2, {mask:#010x}, {xor:#010x}, 0x6A;\n\t"
+        "mov.b32 {pl, ph}, p;\n\tmov.b32 {ql, qh}, q;\n\t"
+        "add.rn.f16 a, pl, ph;\n\tadd.rn.f16 b, ql, qh;\n\t"
+        "mov.b32 $0, {a, b};\n\t}",
+        "=r,r,r", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
 def mul1_half2(x0, x1, kinv_bits, kbias_bits, *, loc=None, ip=None):
     """Two MUL1 values packed as half2: s = byte sum of x, h = fp16 bits 0x6400 + s,
     value = fp16(h * k_inv + k_bias) with one rounding (fma)."""
@@ -148,6 +165,15 @@ def ldmatrix_x4(smem_addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def prmt_u32(a, sel: int, *, loc=None, ip=None):
+    """Byte permute of `a` with zero bytes from a second zero operand (selector nibbles
+    4..7 read zeros): one ALU op for a byte-aligned 16-bit field extract."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [_u32(a, loc, ip)], f"prmt.b32 $0, $1, 0, {sel:#06x};", "=r,r", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
 def bfe_u32(x, pos, length: int, *, loc=None, ip=None):
     """Unsigned bit-field extract of `length` bits of x starting at `pos`."""
     return Uint32(llvm.inline_asm(
@@ -167,6 +193,6 @@ def shfl_xor_f32(x, offset: int, *, loc=None, ip=None):
 
 
 __all__ = [
-    "mma_f16_m16n8k16", "lop3_half2_sum", "mul1_half2", "pack_half2", "half2_to_f32",
-    "funnel_state", "funnel_hi", "cp_async_16", "ldmatrix_x4", "bfe_u32", "shfl_xor_f32", "Int32",
+    "mma_f16_m16n8k16", "lop3_half2_sum", "lop3_pair_scalar_add", "mul1_half2", "pack_half2", "half2_to_f32",
+    "funnel_state", "funnel_hi", "prmt_u32", "cp_async_16", "ldmatrix_x4", "bfe_u32", "shfl_xor_f32", "Int32",
 ]

@@ -51,16 +51,52 @@ def decode_pair(s0, s1, codebook: str):
     if codebook == "mcg":
         x0 = s0 * Uint32(fmt.MCG_MUL)
         x1 = s1 * Uint32(fmt.MCG_MUL)
-        return ptx.lop3_half2_sum(x0, x1, Uint32(fmt.LOP3_MASK), Uint32(fmt.LOP3_XOR))
+        return ptx.lop3_pair_scalar_add(x0, x1, fmt.LOP3_MASK, fmt.LOP3_XOR)
     if codebook == "3inst":
         x0 = s0 * Uint32(fmt.INST3_MUL) + Uint32(fmt.INST3_ADD)
         x1 = s1 * Uint32(fmt.INST3_MUL) + Uint32(fmt.INST3_ADD)
-        return ptx.lop3_half2_sum(x0, x1, Uint32(fmt.LOP3_MASK), Uint32(fmt.LOP3_XOR))
+        return ptx.lop3_pair_scalar_add(x0, x1, fmt.LOP3_MASK, fmt.LOP3_XOR)
     if codebook == "mul1":
         x0 = s0 * Uint32(fmt.MUL1_MUL)
         x1 = s1 * Uint32(fmt.MUL1_MUL)
         return ptx.mul1_half2(x0, x1, Uint32(fmt.MUL1_KINV_BITS), Uint32(fmt.MUL1_KBIAS_BITS))
     raise ValueError(f"codebook {codebook!r} has no mma decode path (supported: {MMA_CODEBOOKS})")
+
+
+def state_windows(bits: int) -> list[tuple[int, int]]:
+    """For each of a lane's 8 states (window offset i*bits), the (window shift d, offset r
+    inside that 32-bit window) to extract it from. Windows 0 and 32 exist anyway; each other
+    window costs one funnel shift, and a state at r in {0, 8, 16} costs one op (else two),
+    so windows are added greedily while they save ops."""
+    offsets = [i * bits for i in range(8)]
+    cheap = (0, 8, 16)
+
+    def cost(ws):
+        total = len([d for d in ws if d not in (0, 32)])
+        for o in offsets:
+            if any(0 <= o - d <= 16 and (o - d) in cheap for d in ws):
+                total += 1
+            elif any(0 <= o - d <= 16 for d in ws):
+                total += 2
+            else:
+                return 1 << 20  # some state lies in no window
+        return total
+
+    chosen = {0, 32}
+    if cost(chosen) >= 1 << 20:
+        chosen.add(16)  # window bits 16..47: every offset in [16, 32] fits
+    while True:
+        best = min(range(1, 32), key=lambda d: cost(chosen | {d}))
+        if cost(chosen | {best}) >= cost(chosen):
+            break
+        chosen.add(best)
+    plan = []
+    for o in offsets:
+        fits = [(o - d) for d in sorted(chosen) if 0 <= o - d <= 16]
+        good = [d for d in sorted(chosen) if 0 <= o - d <= 16 and (o - d) in cheap]
+        d = good[0] if good else o - fits[-1]
+        plan.append((d, o - d))
+    return plan
 
 
 class TrellisGemm:
@@ -121,26 +157,37 @@ class TrellisGemm:
     @cute.jit
     def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                  pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
-                 n_routes: Int32, zero_row: Int32, grid: Int32, stream):
+                 n_routes: Int32, zero_row: Int32, max_blocks: Int32, stream):
+        # One CTA per possible work item (the plan's block bound x N tiles); CTAs past the
+        # packed block count exit at once, and the hardware scheduler balances the rest.
         self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOut, n_routes, zero_row).launch(
-            grid=[grid, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream)
+            grid=[max_blocks * self.n_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
+            stream=stream)
 
     def decode_tile(self, u0, u1, u2, q0, rBf, jj):
         """This lane's 8 weights of one 16x16 tile -> 4 half2 B registers (pairs in t order).
 
-        The 64-bit window starting at the lane's first state bit is aligned once with two
-        funnel shifts; every state then sits at a compile-time offset i*bits."""
+        Two funnel shifts align the lane's 64-bit window once; a few more windows (chosen at
+        compile time by `state_windows`) put every state at a byte offset 0, 8 or 16 of
+        some 32-bit word, where one ALU op (shift, byte permute or mask) extracts it."""
         w_hi = ptx.funnel_hi(u0, u1, q0)
         w_lo = ptx.funnel_hi(u1, u2, q0)
+        windows = {0: w_hi, 32: w_lo}
+        plan = state_windows(self.bits)
+        for d in sorted({d for d, _ in plan}):
+            if d not in windows:
+                windows[d] = ptx.funnel_hi(w_hi, w_lo, Uint32(d))
         states = []
-        for i in range(8):
-            o = i * self.bits
-            if o + 16 <= 32:
-                st = (w_hi >> (16 - o)) & Uint32(0xFFFF)
-            elif o >= 32:
-                st = (w_lo >> (48 - o)) & Uint32(0xFFFF)
+        for d, r in plan:
+            w = windows[d]
+            if r == 0:
+                st = w >> 16
+            elif r == 8:
+                st = ptx.prmt_u32(w, 0x4421)
+            elif r == 16:
+                st = w & Uint32(0xFFFF)
             else:
-                st = ptx.funnel_hi(w_hi, w_lo, Uint32(o)) >> 16
+                st = (w >> (16 - r)) & Uint32(0xFFFF)
             states.append(st)
         for pair in range(4):
             rBf[jj, pair] = decode_pair(states[2 * pair], states[2 * pair + 1], self.codebook)
@@ -186,7 +233,6 @@ class TrellisGemm:
 
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
         warp = tidx // 32
         lane = tidx % 32
         g = lane // 4
@@ -210,7 +256,8 @@ class TrellisGemm:
         rRoute = cute.make_rmem_tensor((2 * self.m_tiles,), Int32)
         rAsrc = cute.make_rmem_tensor((self.a_iters,), Int32)
         acc = cute.make_rmem_tensor((self.m_tiles, 4, 4), Float32)
-        for work in range(bidx, total, gdim):
+        work = bidx
+        if work < total:
             blk = work // self.n_tiles
             nt = work - blk * self.n_tiles
             expert = mBlockExpert[blk]

@@ -24,7 +24,6 @@ from .planners.policy import padded_route_slots
 from .weights import MoEWeights
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-GRID_CTAS_PER_SM = 8
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -117,7 +116,6 @@ class MoELayer:
         self.arena = torch.zeros(self.scratch.nbytes, dtype=torch.uint8, device=self.device)
         self.output = torch.empty((capacity, weights.hidden), dtype=out_dtype, device=self.device)
         self._views = {name: self._view(name) for name in self.scratch.offsets}
-        self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         w = weights
         self._weight_tensors = {
             "gate_trellis": w.gate_trellis, "up_trellis": w.up_trellis, "down_trellis": w.down_trellis,
@@ -210,7 +208,6 @@ class MoELayer:
             "max_blocks": slots // plan.spec.block_m,
             "rows_cap": self.capacity if plan.spec.shared_hidden_vectors else n,
             "routes_cap": n,
-            "grid": self._sm_count * GRID_CTAS_PER_SM,
         }
         return BoundForward(plan, tensors, ints, out)
 

@@ -35,8 +35,11 @@ __all__ = ["viterbi_tiles", "quantize", "distortion_report", "DEFAULT_SCALE_FACT
 #: Multipliers tried around the RMS-matched scale by :func:`quantize`'s scale search
 #: (measured optimum on Gaussian data: ~1.0 at K=2 rising to ~1.2 at K=6 for mcg).
 DEFAULT_SCALE_FACTORS = (0.95, 1.05, 1.15, 1.25)
-#: Budget for the back-pointer array of one chunk of tiles (bytes).
-_BACKPOINTER_BUDGET = 256 << 20
+#: Memory budget of one chunk of tiles (bytes; back-pointers plus per-step work arrays),
+#: per device type. Larger GPU chunks amortise the per-step launches.
+_CHUNK_BUDGET = {"cpu": 256 << 20, "cuda": 2 << 30}
+#: Per-step float32 work arrays over all 2^16 states (accumulator, its successor, slack).
+_WORK_ARRAYS = 3
 #: Tiles sampled by the scale search.
 _SCALE_SAMPLE_TILES = 16
 
@@ -112,10 +115,12 @@ def _viterbi_chunk(target: torch.Tensor, lut: torch.Tensor, bits: int) -> torch.
     return states & ((1 << bits) - 1)
 
 
-def _default_chunk(bits: int) -> int:
-    """Tiles per chunk so that one chunk's back-pointers fit ``_BACKPOINTER_BUDGET``."""
-    per_tile = tc.TILE_WEIGHTS << (tc.STATE_BITS - bits)
-    return max(1, _BACKPOINTER_BUDGET // per_tile)
+def _default_chunk(bits: int, device: torch.device) -> int:
+    """Tiles per chunk so that one chunk's search fits ``_CHUNK_BUDGET``."""
+    budget = _CHUNK_BUDGET.get(device.type, _CHUNK_BUDGET["cpu"])
+    back = tc.TILE_WEIGHTS << (tc.STATE_BITS - bits)  # uint8 per (step, survivor group)
+    work = _WORK_ARRAYS * 4 << tc.STATE_BITS
+    return max(1, budget // (back + work))
 
 
 def viterbi_tiles(
@@ -130,7 +135,8 @@ def viterbi_tiles(
     ``target`` is float [T, 256] in weight order t (see
     :func:`kquant_cute.trellis.tile_position_map`), already in codebook units. Runs on
     ``target``'s device. ``pack(symbols, bits)`` decodes to exactly the chosen values.
-    ``chunk_tiles`` bounds the tiles searched at once (default: ~256 MiB of back-pointers).
+    ``chunk_tiles`` bounds the tiles searched at once (default: what fits 256 MiB on the
+    CPU, 2 GiB on CUDA, counting back-pointers and per-step work arrays).
     """
     tc.check_codebook(codebook, bits)
     if target.dim() != 2 or target.shape[1] != tc.TILE_WEIGHTS:
@@ -145,7 +151,7 @@ def viterbi_tiles(
         return out
     lut = tc.codebook_lut(codebook, bits, target.device)
     if chunk_tiles is None:
-        chunk_tiles = _default_chunk(bits)
+        chunk_tiles = _default_chunk(bits, target.device)
     if chunk_tiles < 1:
         raise ValueError(f"chunk_tiles must be >= 1, got {chunk_tiles}")
     work = target.to(torch.float32)
@@ -251,7 +257,7 @@ def _search_scale(
     mags = flat.abs().flatten()
     sample_mags = sample.abs().flatten()
     scores: dict[float, float] = {}
-    chunk = _default_chunk(bits)
+    chunk = _default_chunk(bits, flat.device)
 
     def clip_error(m: torch.Tensor, s: float) -> float:
         return float((m - v_max * s).clamp_min(0.0).square().sum())

@@ -242,7 +242,10 @@ def state_to_value(states: torch.Tensor, codebook: str, bits: int) -> torch.Tens
 def codebook_lut(
     codebook: str, bits: int, device: Optional[torch.device | str] = None
 ) -> torch.Tensor:
-    """float32 [65536]: value of every 16-bit state (cached per codebook/bits/device)."""
+    """float32 [65536]: value of every 16-bit state.
+
+    Cached per codebook / bits / device; the returned tensor is shared, do not modify it.
+    """
     check_codebook(codebook, bits)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     # Only sqg_e4m3 depends on K; share one table across K for the others.
@@ -275,7 +278,11 @@ def _generate_t12() -> torch.Tensor:
 
 
 def t12_table(device: Optional[torch.device | str] = None) -> torch.Tensor:
-    """uint8 [4096]: the generated sqg_e4m3 table, verified against ``T12_SHA256``."""
+    """uint8 [4096]: the generated sqg_e4m3 table, verified against ``T12_SHA256``.
+
+    Built on first use (~10 ms) and cached per device; the tensor is shared, do not
+    modify it.
+    """
     dev = torch.device(device) if device is not None else torch.device("cpu")
     table = _T12_CACHE.get(_key(dev))
     if table is not None:

@@ -78,7 +78,7 @@ def test_decode_bit_exact_through_gemm(codebook, bits):
 
     args = [P(a, cutlass.Float16), P(codes, cutlass.Int16), P(routes, cutlass.Int32),
             P(blocks, cutlass.Int32), P(num, cutlass.Int32), P(out, cutlass.Float32),
-            cutlass.Int32(k_dim), cutlass.Int32(k_dim), cutlass.Int32(8),
+            cutlass.Int32(k_dim), cutlass.Int32(k_dim), cutlass.Int32(k_dim // block_m),
             cuda.CUstream(torch.cuda.current_stream().cuda_stream)]
     fn = cute.compile(gemm, *args)
     fn(*args)
