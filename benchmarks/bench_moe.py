@@ -56,6 +56,34 @@ def time_layer(layer, m, args, sets=4, iters=50, warmup=5):
     return statistics.median(times), graphs[0][1]
 
 
+def peer_and_floors(peer, wts, m, bits, ceilings, iters=30):
+    """Graph-replayed bf16 grouped-GEMM peer time and the HBM / MMA floors for m tokens."""
+    H, I, E = wts.hidden, wts.intermediate, wts.num_experts
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, H, generator=gen, device="cuda").to(torch.bfloat16)
+    ids = balanced_ids(m, 16, E, gen)
+    w = torch.full((m, 16), 1 / 16, device="cuda")
+    peer(x, ids, w)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        peer(x, ids, w)
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    touched = int(torch.unique(ids).numel())
+    hbm_bytes = touched * 3 * H * I * bits / 8 + m * H * (2 + 4)
+    flops = 2 * m * 16 * 3 * H * I
+    return {"peer": statistics.median(times), "touched_experts": touched,
+            "hbm_floor": hbm_bytes / ceilings["copy_Bps"] * 1e3,
+            "mma_floor": flops / (0.75 * ceilings["bf16_flops"]) * 1e3}
+
+
 def main(argv=None):
     from kquant_cute.layer import MoELayer
     from kquant_cute.weights import MoEWeights
@@ -67,11 +95,22 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: the kernel's)")
     p.add_argument("--json", default=None)
+    p.add_argument("--peer", action="store_true",
+                   help="also time the dense bf16 torch._grouped_mm peer and print the floors")
     a = p.parse_args(argv)
     t0 = time.time()
     wts = MoEWeights.random(896, 3584, 384, a.bits, "mcg", shared_hidden_vectors=True, seed=0,
                             device="cuda")
     print(f"# {torch.cuda.get_device_name()}  weights ready in {time.time() - t0:.1f}s", flush=True)
+    peer = ceilings = None
+    if a.peer:
+        from peers import Bf16GroupedMoE, measure_bf16_matmul_rate, measure_copy_bandwidth
+
+        peer = Bf16GroupedMoE(wts, topk=16, activation="situ")
+        ceilings = {"copy_Bps": measure_copy_bandwidth(), "bf16_flops": measure_bf16_matmul_rate()}
+        print(f"# ceilings: copy {ceilings['copy_Bps'] / 1e12:.2f} TB/s, bf16 matmul "
+              f"{ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s; peer weights "
+              f"{peer.weight_bytes() / 1e9:.2f} GB", flush=True)
     rows = []
     for m in a.tokens:
         row = {"tokens": m}
@@ -86,15 +125,22 @@ def main(argv=None):
         ms, used = time_layer(layer, m, a, iters=a.iters)
         row["plan"], row["plan_M"] = ms, used
         del layer
+        if peer is not None:
+            row.update(peer_and_floors(peer, wts, m, a.bits, ceilings))
         torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
-    head = ["tokens"] + [f"M{M}" for M in a.blocks] + ["plan (M)"]
+    extra = ["bf16 peer", "HBM floor", "MMA floor", "plan/peer", "M8/plan"] if peer else []
+    head = ["tokens"] + [f"M{M}" for M in a.blocks] + ["plan (M)"] + extra
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         cells = [str(r["tokens"])] + [f"{r[f'M{M}']:.3f}" if r[f"M{M}"] else "-" for M in a.blocks]
         cells.append(f"{r['plan']:.3f} ({r['plan_M']})")
+        if peer:
+            m8 = r.get("M8")
+            cells += [f"{r['peer']:.3f}", f"{r['hbm_floor']:.3f}", f"{r['mma_floor']:.3f}",
+                      f"{r['plan'] / r['peer']:.2f}", f"{m8 / r['plan']:.2f}" if m8 else "-"]
         print("| " + " | ".join(cells) + " |")
     if a.json:
         with open(a.json, "w") as f:

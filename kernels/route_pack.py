@@ -50,7 +50,7 @@ class RoutePack:
         mIds, mMap, mSorted = _flat(pIds), _flat(pMap), _flat(pSorted)
         mBlockExpert, mNumPadded = _flat(pBlockExpert), _flat(pNumPadded)
         mOffsets, mCounts = _flat(pOffsets), _flat(pCounts)
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sCount = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
         sCursor = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
         sScan = smem.allocate_tensor(Int32, cute.make_layout(2 * THREADS), 16)

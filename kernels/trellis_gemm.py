@@ -225,7 +225,7 @@ class TrellisGemm:
         a_gaddr = pA.toint()
         b_gaddr = pB.toint()
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sA = smem.allocate_tensor(cutlass.Float16, cute.make_layout(self.stages * self.a_stage_halves), 128)
         sB = smem.allocate_tensor(Uint32, cute.make_layout(self.stages * self.b_stage_words), 128)
         a_saddr = sA.iterator.toint()

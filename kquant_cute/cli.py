@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     geo.add_argument("--per-expert-vectors", action="store_true",
                      help="per-expert hidden-side suh/svh (EXL3) instead of shared ones (Kimi-K3)")
     geo.add_argument("--expert-map", action="store_true", help="with a global->local expert map (EP)")
+    geo.add_argument("--stages", type=_positive_int, default=g.stages,
+                     help=f"GEMM cp.async pipeline stages (default {g.stages})")
     p.add_argument("--capacity", type=_positive_int, default=DEFAULT_CAPACITY,
                    help=f"most tokens per call the plans serve (default {DEFAULT_CAPACITY})")
     p.add_argument("--cache-dir", help="cache directory (overrides KQUANT_COMPILE_CACHE_DIR)")
@@ -239,6 +241,7 @@ def _geometry(args: argparse.Namespace) -> MoESpec:
         topk=args.topk, bits=args.bits, codebook=args.codebook, act_dtype=args.act_dtype,
         out_dtype=args.out_dtype, activation=args.activation,
         shared_hidden_vectors=not args.per_expert_vectors, has_expert_map=args.expert_map,
+        stages=args.stages,
     )
 
 

@@ -71,6 +71,14 @@ def scratch_layout(spec: MoESpec, capacity: int, max_slots: int) -> ScratchLayou
     return ScratchLayout(offsets, shapes, dtypes, (off + 255) // 256 * 256)
 
 
+def plan_scratch(base: MoESpec, capacity: int, block_ms) -> ScratchLayout:
+    """The one arena every plan of a layer shares: M-independent buffers sized once for
+    the capacity, the packed route list sized to the widest plan's bound (the max)."""
+    n = capacity * base.topk
+    slots = max(padded_route_slots(n, base.num_experts, m) for m in block_ms)
+    return scratch_layout(base, capacity, slots)
+
+
 class MoELayer:
     """One MoE layer's compiled plans, scratch and output buffer (see module docstring)."""
 
@@ -109,10 +117,7 @@ class MoELayer:
         self.plan: ForwardPlan = plan_forward(base, capacity=capacity, arch=arch, env=env,
                                               cache=cache)
         self.plan.load()
-        n = capacity * topk
-        slots = max(padded_route_slots(n, weights.num_experts, s.block_m)
-                    for s in self.plan.specs())
-        self.scratch = scratch_layout(base, capacity, slots)
+        self.scratch = plan_scratch(base, capacity, [s.block_m for s in self.plan.specs()])
         self.arena = torch.zeros(self.scratch.nbytes, dtype=torch.uint8, device=self.device)
         self.output = torch.empty((capacity, weights.hidden), dtype=out_dtype, device=self.device)
         self._views = {name: self._view(name) for name in self.scratch.offsets}

@@ -294,3 +294,32 @@ def test_policy_bands_partition_the_band():
             assert all(select_route_block_size_m(m, 8, 64) == size for m in (a, b, (a + b) // 2))
             if nxt is not None:
                 assert nxt[0] == b + 1 and nxt[2] > size
+
+
+def test_layer_scratch_is_the_max_of_both_plans() -> None:
+    from kquant_cute.layer import plan_scratch, scratch_layout
+    from kquant_cute.planners.policy import padded_route_slots
+    from kquant_cute.prewarm import DEFAULT_GEOMETRY
+
+    base = DEFAULT_GEOMETRY
+    cap = 8192
+    n = cap * base.topk
+    both = plan_scratch(base, cap, [8, 64])
+    decode_only = scratch_layout(base, cap, padded_route_slots(n, base.num_experts, 8))
+    wide_only = scratch_layout(base, cap, padded_route_slots(n, base.num_experts, 64))
+    assert both.nbytes == max(decode_only.nbytes, wide_only.nbytes)
+    assert both.shapes["sorted_routes"][0] == max(padded_route_slots(n, base.num_experts, m) for m in (8, 64))
+    # Block ids: enough for the narrowest plan's block count.
+    assert both.shapes["block_expert"][0] * 8 >= both.shapes["sorted_routes"][0]
+    # Buffers never overlap.
+    spans = sorted((both.offsets[k], both.offsets[k] + _nbytes(both, k)) for k in both.offsets)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+def _nbytes(layout, name):
+    import torch
+
+    numel = 1
+    for s in layout.shapes[name]:
+        numel *= s
+    return numel * torch.empty((), dtype=layout.dtypes[name]).element_size()

@@ -1,0 +1,91 @@
+"""Compile-only tests of the fused forward for sm_90a / sm_100a / sm_120a (no GPU needed).
+
+Every route block size of the default geometry (the BRIEF's Kimi-K3 TP8 shard) is
+cross-compiled for each arch and either accepted with measured resources inside the arch's
+limits, or rejected with a reason. Resources are read from the compiled cubin
+(`cuobjdump --dump-resource-usage`), never from a table. Also shows the planner's fallback
+on the real kernel: with an 8-stage pipeline M=64 needs more shared memory than sm_120
+allows, so the sm_120 plan falls back to M=48 while sm_90 keeps M=64.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kquant_cute.compile_cache import CompileCache
+from kquant_cute.compiler import geometry_check, plan_forward
+from kquant_cute.kernels.build import find_cuobjdump
+from kquant_cute.kernels.trellis_gemm import smem_bytes
+from kquant_cute.planners import arch_limits, resolve_env
+from kquant_cute.prewarm import DEFAULT_GEOMETRY
+
+pytestmark = pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")
+
+ARCHS = ("sm_90a", "sm_100a", "sm_120a")
+BLOCKS = (8, 16, 32, 48, 64)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return CompileCache(tmp_path_factory.mktemp("kq_compile"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_default_geometry_compiles_for_every_block(arch, cache):
+    limits = arch_limits(arch)
+    gemm_regs = {}
+    for m in BLOCKS:
+        spec = DEFAULT_GEOMETRY.replace(block_m=m, arch=arch)
+        verdict = geometry_check(spec, cache)
+        if not verdict.ok:  # a rejection must say why, with numbers
+            assert verdict.reason and ("shared memory" in verdict.reason or "register" in verdict.reason)
+            continue
+        assert verdict.reason is None
+        assert 0 < verdict.registers <= limits.regs_per_thread_max
+        assert verdict.spills == 0
+        assert verdict.smem_bytes <= limits.smem_per_block_optin
+        kernels = {k["kernel"]: k for k in _resources(spec, cache)["kernels"]}
+        assert set(kernels) == {"TrellisGemm", "RoutePack", "RotateInput", "MidActivation",
+                                "CombineOutput"}
+        gemm = kernels["TrellisGemm"]
+        # The GEMM's shared memory is its cp.async ring: measured static + dynamic bytes.
+        assert gemm["shared"] >= smem_bytes(m, spec.bits, spec.stages)
+        gemm_regs[m] = gemm["registers"]
+    assert 8 in gemm_regs, f"{arch}: the decode block M=8 must compile"
+    # Wider blocks hold more accumulators: the register count grows with M.
+    assert gemm_regs[max(gemm_regs)] > gemm_regs[8]
+
+
+def _resources(spec, cache):
+    from kquant_cute.compiler import get_specialization
+
+    return get_specialization(spec, cache).value.resources
+
+
+def test_sm120_rejects_wide_block_that_sm90_accepts(cache):
+    """An 8-stage pipeline at M=64 needs 106,496 B of dynamic shared memory: over sm_120's
+    101,376 B per-block limit, inside sm_90's 232,448 B. The planner falls back to 48."""
+    base = DEFAULT_GEOMETRY.replace(stages=8)
+    v90 = geometry_check(base.replace(block_m=64, arch="sm_90a"), cache)
+    v120 = geometry_check(base.replace(block_m=64, arch="sm_120a"), cache)
+    assert v90.ok
+    assert not v120.ok and "shared memory" in v120.reason and "101,376" in v120.reason
+    env = resolve_env({})
+    p90 = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache)
+    p120 = plan_forward(base, capacity=4096, arch="sm_120", env=env, cache=cache)
+    assert p90.prefill.spec.block_m == 64
+    assert p120.prefill.spec.block_m == 48
+    walk = [(d.block_m, d.ok) for d in p120.layout.decisions]
+    assert walk == [(64, False), (48, True)]
+    text = p120.describe()
+    assert "M=64: rejected" in text and "shared memory" in text
+
+
+def test_static_rejections_name_the_reason():
+    spec = DEFAULT_GEOMETRY.replace(block_m=8, arch="sm_90a")
+    assert "multiple of 128" in spec.replace(hidden=3500).check()
+    assert "block_m" in spec.replace(block_m=12).check()
+    assert "bits" in spec.replace(bits=7).check()
+    assert "no mma decode path" in spec.replace(codebook="sqg_e4m3", bits=4).check()
+    assert "stages" in spec.replace(stages=1).check()
+    assert spec.check() is None
