@@ -125,22 +125,29 @@ def main(argv=None):
         ms, used = time_layer(layer, m, a, iters=a.iters)
         row["plan"], row["plan_M"] = ms, used
         del layer
+        layer = MoELayer(wts, topk=16, capacity=max(a.tokens), activation="situ", stages=a.stages,
+                         banded=True)
+        row["banded"], row["banded_M"] = time_layer(layer, m, a, iters=a.iters)
+        del layer
         if peer is not None:
             row.update(peer_and_floors(peer, wts, m, a.bits, ceilings))
         torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
-    extra = ["bf16 peer", "HBM floor", "MMA floor", "plan/peer", "M8/plan"] if peer else []
-    head = ["tokens"] + [f"M{M}" for M in a.blocks] + ["plan (M)"] + extra
+    extra = (["bf16 peer", "HBM floor", "MMA floor", "plan/peer", "banded/peer", "M8/banded"]
+             if peer else [])
+    head = ["tokens"] + [f"M{M}" for M in a.blocks] + ["plan (M)", "banded (M)"] + extra
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         cells = [str(r["tokens"])] + [f"{r[f'M{M}']:.3f}" if r[f"M{M}"] else "-" for M in a.blocks]
         cells.append(f"{r['plan']:.3f} ({r['plan_M']})")
+        cells.append(f"{r['banded']:.3f} ({r['banded_M']})")
         if peer:
             m8 = r.get("M8")
             cells += [f"{r['peer']:.3f}", f"{r['hbm_floor']:.3f}", f"{r['mma_floor']:.3f}",
-                      f"{r['plan'] / r['peer']:.2f}", f"{m8 / r['plan']:.2f}" if m8 else "-"]
+                      f"{r['plan'] / r['peer']:.2f}", f"{r['banded'] / r['peer']:.2f}",
+                      f"{m8 / r['banded']:.2f}" if m8 else "-"]
         print("| " + " | ".join(cells) + " |")
     if a.json:
         with open(a.json, "w") as f:

@@ -26,6 +26,7 @@ from .kernels import build as kbuild
 from .kernels.moe import MoESpec
 from .planners import GeometryVerdict, PlanEnv, arch_limits, check_resources, normalize_arch
 from .planners.plans import PlanPairLayout, plan_pair_layout
+from .planners.policy import ROUTE_BLOCK_SIZES, select_route_block_size_m
 
 KERNEL_NAME = "w4a16_trellis_moe"
 _PKG_ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -127,31 +128,52 @@ class BoundPlan:
 
 
 class ForwardPlan:
-    """Decode (M = 8) and optional prefill specialization of one layer shape."""
+    """Decode (M = 8) and optional prefill specialization of one layer shape.
 
-    def __init__(self, layout: PlanPairLayout, decode: BoundPlan, prefill: Optional[BoundPlan]):
+    `bands` (opt-in): the accepted sizes between the two, compiled too. Then a call with m
+    above the prefill threshold binds the policy's choice at m itself (clamped to the
+    prefill M, falling back to the next narrower accepted size) instead of the capacity's.
+    """
+
+    def __init__(self, layout: PlanPairLayout, decode: BoundPlan, prefill: Optional[BoundPlan],
+                 bands: Optional[dict] = None):
         self.layout = layout
         self.decode = decode
         self.prefill = prefill
+        self.bands = dict(bands or {})
+        if prefill is not None and self.bands:
+            self.bands[prefill.spec.block_m] = prefill
 
     def specs(self) -> list[MoESpec]:
-        return [p.spec for p in (self.decode, self.prefill) if p is not None]
+        plans = [self.decode, self.prefill, *self.bands.values()]
+        return list({p.spec: None for p in plans if p is not None})
 
     def plan_for(self, m: int) -> BoundPlan:
-        return self.prefill if self.prefill is not None and self.layout.binds_prefill(m) else self.decode
+        if self.prefill is None or not self.layout.binds_prefill(m):
+            return self.decode
+        if not self.bands:
+            return self.prefill
+        want = select_route_block_size_m(m, self.layout.topk, self.layout.num_experts)
+        fits = [b for b in self.bands if b <= want]
+        return self.bands[max(fits)] if fits else self.decode
 
     def load(self) -> None:
-        for p in (self.decode, self.prefill):
+        for p in [self.decode, self.prefill, *self.bands.values()]:
             if p is not None:
                 p.fn  # noqa: B018 - load now, not on the first (possibly captured) call
 
     def describe(self, scratch_bytes=None) -> str:
-        return self.layout.describe(scratch_bytes=scratch_bytes)
+        text = self.layout.describe(scratch_bytes=scratch_bytes)
+        if self.bands:
+            text += ("\n  banded: above the threshold each call binds the policy's M at its own m "
+                     f"among {sorted(self.bands)}")
+        return text
 
 
 def plan_forward(base: MoESpec, *, capacity: int, arch, env: PlanEnv,
-                 cache: Optional[CompileCache] = None) -> ForwardPlan:
-    """Plan (and compile through the cache) the decode / prefill pair for `base`'s shape."""
+                 cache: Optional[CompileCache] = None, banded: bool = False) -> ForwardPlan:
+    """Plan (and compile through the cache) the decode / prefill pair for `base`'s shape;
+    with `banded`, also every accepted size between them (see `ForwardPlan`)."""
     arch = normalize_arch(arch)
     base = base.replace(arch=arch)
 
@@ -168,4 +190,10 @@ def plan_forward(base: MoESpec, *, capacity: int, arch, env: PlanEnv,
     if layout.prefill is not None:
         pspec = base.replace(block_m=layout.prefill.block_m)
         prefill = BoundPlan(pspec, get_specialization(pspec, cache).value)
-    return ForwardPlan(layout, decode, prefill)
+    bands = {}
+    if banded and prefill is not None:
+        for size in ROUTE_BLOCK_SIZES:
+            if decode_spec.block_m < size < prefill.spec.block_m and check(size).ok:
+                bspec = base.replace(block_m=size)
+                bands[size] = BoundPlan(bspec, get_specialization(bspec, cache).value)
+    return ForwardPlan(layout, decode, prefill, bands)

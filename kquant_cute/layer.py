@@ -86,7 +86,7 @@ class MoELayer:
                  act_dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.float32,
                  activation: str = "silu", num_global_experts: Optional[int] = None,
                  arch: Optional[str] = None, stages: Optional[int] = None, environ=None,
-                 cache=None):
+                 cache=None, banded: bool = False):
         if not isinstance(weights, MoEWeights):
             raise TypeError("weights must be a kquant_cute.weights.MoEWeights")
         if weights.device.type != "cuda":
@@ -115,7 +115,7 @@ class MoELayer:
         if capacity > base.max_tokens():
             raise ValueError(f"capacity {capacity} > {base.max_tokens()} (32-bit scratch indexing)")
         self.plan: ForwardPlan = plan_forward(base, capacity=capacity, arch=arch, env=env,
-                                              cache=cache)
+                                              cache=cache, banded=banded)
         self.plan.load()
         self.scratch = plan_scratch(base, capacity, [s.block_m for s in self.plan.specs()])
         self.arena = torch.zeros(self.scratch.nbytes, dtype=torch.uint8, device=self.device)

@@ -273,3 +273,20 @@ def test_cpu_prewarmed_cache_frozen_matches_jit():
         assert torch.equal(out_aot, out_jit), f"m={m}: AOT and JIT outputs differ"
         ref = reference_moe(x, ids, w, wts, activation=g.activation, dtype=torch.float64)
         assert _rel_err(out_aot, ref) < 1e-2
+
+
+def test_banded_plan_is_bitwise_equal_to_the_pair():
+    from kquant_cute.layer import MoELayer
+    from kquant_cute.weights import MoEWeights
+
+    wts = MoEWeights.random(64, H_SMALL, I_SMALL, 4, "mcg", shared_hidden_vectors=True, seed=8,
+                            device="cuda")
+    pair = MoELayer(wts, topk=8, capacity=1024, environ={})
+    banded = MoELayer(wts, topk=8, capacity=1024, environ={}, banded=True)
+    for m in (300, 700, 1024):
+        x, ids, w = _inputs(m, H_SMALL, 8, 64, torch.bfloat16, seed=m)
+        b1, b2 = pair.bind(x, ids, w), banded.bind(x, ids, w)
+        assert b2.block_m <= b1.block_m
+        out1 = _run(pair, x, ids, w).clone()
+        out2 = _run(banded, x, ids, w).clone()
+        assert torch.equal(out1, out2), f"m={m}: banded M={b2.block_m} vs pair M={b1.block_m}"

@@ -89,3 +89,17 @@ def test_static_rejections_name_the_reason():
     assert "no mma decode path" in spec.replace(codebook="sqg_e4m3", bits=4).check()
     assert "stages" in spec.replace(stages=1).check()
     assert spec.check() is None
+
+
+def test_banded_plan_binds_the_policy_choice_per_call(cache):
+    """Opt-in banded plan: above the threshold a call binds the policy's M at its own m
+    (the pair alone would bind the capacity's M=64 for every m > 256)."""
+    base = DEFAULT_GEOMETRY.replace(hidden=256, intermediate=256, arch="sm_90a")
+    env = resolve_env({})
+    pair = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache)
+    banded = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache, banded=True)
+    assert sorted(banded.bands) == [16, 32, 48, 64]
+    picks = {m: banded.plan_for(m).spec.block_m for m in (1, 256, 257, 512, 1536, 2048, 4096)}
+    assert picks == {1: 8, 256: 8, 257: 8, 512: 16, 1536: 32, 2048: 48, 4096: 64}
+    assert {m: pair.plan_for(m).spec.block_m for m in (256, 257, 512)} == {256: 8, 257: 64, 512: 64}
+    assert "banded" in banded.describe()
