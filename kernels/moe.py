@@ -24,7 +24,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from kquant_cute import trellis as fmt
 
 from .rotate import ACTIVATIONS, CombineOutput, MidActivation, RotateInput
 from .route_pack import RoutePack

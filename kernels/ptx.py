@@ -4,7 +4,8 @@ Owns the few instructions the CuTe DSL does not expose in the exact register for
 need: the m16n8k16 fp16 `mma.sync` on raw fragment registers, half2 packing/arithmetic
 used by the trellis codebooks, and integer helpers (byte sums, 64-bit funnel reads).
 Every function here is a `dsl_user_op`, callable from `@cute.kernel` code on DSL
-scalars (Int32 / Uint32 / Float32) and returning DSL scalars.
+scalars (Int32 / Uint32 / Float32) and returning DSL scalars. Also the two trace-time
+helpers every kernel module uses to view raw pointers and map expert ids.
 """
 
 from __future__ import annotations
@@ -12,6 +13,22 @@ from __future__ import annotations
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def flat_tensor(ptr):
+    """A 1-D view of a raw device pointer (indices are checked by the callers' sizes)."""
+    import cutlass.cute as cute
+
+    return cute.make_tensor(ptr, cute.make_layout(1 << 30))
+
+
+def local_expert(mIds, mMap, r, has_map: bool):
+    """Local expert id of route r: topk_ids[r], through the expert map when there is one
+    (-1 = the expert lives on another rank)."""
+    e = mIds[r]
+    if has_map:
+        e = mMap[e]
+    return e
 
 
 def _u32(x, loc=None, ip=None):
@@ -41,24 +58,6 @@ def mma_f16_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=Non
         loc=loc, ip=ip,
     )
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def lop3_half2_sum(x0, x1, mask, xor, *, loc=None, ip=None):
-    """Two lop3-codebook values packed as half2: for each x, (x & mask) ^ xor read as
-    fp16 (lo, hi); returns {fp16(lo0 + hi0), fp16(lo1 + hi1)} (one RNE rounding each)."""
-    return Uint32(llvm.inline_asm(
-        T.i32(),
-        [_u32(x0, loc, ip), _u32(x1, loc, ip), _u32(mask, loc, ip), _u32(xor, loc, ip)],
-        "{\n\t.reg .b32 p, q, lo, hi;\n\t"
-        "lop3.b32 p, $1, $3, $4, 0x6A;\n\t"
-        "lop3.b32 q, $2, $3, $4, 0x6A;\n\t"
-        "prmt.b32 lo, p, q, 0x5410;\n\t"
-        "prmt.b32 hi, p, q, 0x7632;\n\t"
-        "add.rn.f16x2 $0, lo, hi;\n\t}",
-        "=r,r,r,r,r",
-        loc=loc, ip=ip,
-    ))
 
 
 @dsl_user_op
@@ -94,41 +93,6 @@ def mul1_half2(x0, x1, kinv_bits, kbias_bits, *, loc=None, ip=None):
         "fma.rn.f16x2 $0, h, k, b;\n\t}",
         "=r,r,r,r,r",
         loc=loc, ip=ip,
-    ))
-
-
-@dsl_user_op
-def pack_half2(lo, hi, *, loc=None, ip=None):
-    """Pack two fp32 values into one half2 register {fp16(lo), fp16(hi)} (RNE)."""
-    return Uint32(llvm.inline_asm(
-        T.i32(), [_f32(lo, loc, ip), _f32(hi, loc, ip)],
-        "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", loc=loc, ip=ip,
-    ))
-
-
-@dsl_user_op
-def half2_to_f32(h2, index: int, *, loc=None, ip=None):
-    """fp32 value of half `index` (0 = low 16 bits, 1 = high) of a half2 register."""
-    sel = "lo" if index == 0 else "hi"
-    return Float32(llvm.inline_asm(
-        T.f32(), [_u32(h2, loc, ip)],
-        "{\n\t.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, $1;\n\tcvt.f32.f16 $0, " + sel + ";\n\t}",
-        "=f,r", loc=loc, ip=ip,
-    ))
-
-
-@dsl_user_op
-def funnel_state(w_hi, w_lo, shift, *, loc=None, ip=None):
-    """16-bit window of the 64-bit value (w_hi:w_lo): bits [shift, shift+16) counted from
-    the least significant bit. `shift` in 0..48."""
-    return Uint32(llvm.inline_asm(
-        T.i32(), [_u32(w_hi, loc, ip), _u32(w_lo, loc, ip), _u32(shift, loc, ip)],
-        "{\n\t.reg .b64 v;\n\t.reg .b32 r;\n\t"
-        "mov.b64 v, {$2, $1};\n\t"
-        "shr.b64 v, v, $3;\n\t"
-        "cvt.u32.u64 r, v;\n\t"
-        "and.b32 $0, r, 0xFFFF;\n\t}",
-        "=r,r,r,r", loc=loc, ip=ip,
     ))
 
 
@@ -174,15 +138,6 @@ def prmt_u32(a, sel: int, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def bfe_u32(x, pos, length: int, *, loc=None, ip=None):
-    """Unsigned bit-field extract of `length` bits of x starting at `pos`."""
-    return Uint32(llvm.inline_asm(
-        T.i32(), [_u32(x, loc, ip), _u32(pos, loc, ip)],
-        f"bfe.u32 $0, $1, $2, {int(length)};", "=r,r,r", loc=loc, ip=ip,
-    ))
-
-
-@dsl_user_op
 def shfl_xor_f32(x, offset: int, *, loc=None, ip=None):
     """Butterfly shuffle of an fp32 value across the full warp."""
     return Float32(llvm.inline_asm(
@@ -193,6 +148,6 @@ def shfl_xor_f32(x, offset: int, *, loc=None, ip=None):
 
 
 __all__ = [
-    "mma_f16_m16n8k16", "lop3_half2_sum", "lop3_pair_scalar_add", "mul1_half2", "pack_half2", "half2_to_f32",
-    "funnel_state", "funnel_hi", "prmt_u32", "cp_async_16", "ldmatrix_x4", "bfe_u32", "shfl_xor_f32", "Int32",
+    "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "funnel_hi", "prmt_u32",
+    "cp_async_16", "ldmatrix_x4", "shfl_xor_f32", "flat_tensor", "local_expert",
 ]

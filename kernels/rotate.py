@@ -48,13 +48,6 @@ def fwht128(v, lane):
         v[j] = vals[j] * INV_SQRT_CHUNK
 
 
-def local_expert(mIds, mMap, r, has_map: bool):
-    e = mIds[r]
-    if has_map:
-        e = mMap[e]
-    return e
-
-
 def apply_activation(g, u, activation: str):
     if activation == "silu":
         return g / (1.0 + cute.math.exp(-g)) * u
@@ -62,10 +55,6 @@ def apply_activation(g, u, activation: str):
     sig = 1.0 / (1.0 + cute.math.exp(-g))
     return (SITU_BETA * cute.math.tanh(g * (1.0 / SITU_BETA)) * sig) * (
         SITU_LBETA * cute.math.tanh(u * (1.0 / SITU_LBETA)))
-
-
-def _flat(ptr):
-    return cute.make_tensor(ptr, cute.make_layout(1 << 30))
 
 
 class RotateInput:
@@ -86,8 +75,8 @@ class RotateInput:
 
     @cute.kernel
     def kernel(self, pX, pSuhG, pSuhU, pIds, pMap, pXg, pXu, num_rows: Int32):
-        mX, mSuhG, mSuhU = _flat(pX), _flat(pSuhG), _flat(pSuhU)
-        mIds, mMap, mXg, mXu = _flat(pIds), _flat(pMap), _flat(pXg), _flat(pXu)
+        mX, mSuhG, mSuhU = ptx.flat_tensor(pX), ptx.flat_tensor(pSuhG), ptx.flat_tensor(pSuhU)
+        mIds, mMap, mXg, mXu = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap), ptx.flat_tensor(pXg), ptx.flat_tensor(pXu)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -100,7 +89,7 @@ class RotateInput:
             ok = True
             if self.per_route:
                 token = row // self.topk
-                e = local_expert(mIds, mMap, row, self.has_map)
+                e = ptx.local_expert(mIds, mMap, row, self.has_map)
                 ok = e >= 0
                 vec_base = e * self.hidden
             if ok:
@@ -136,9 +125,9 @@ class MidActivation:
 
     @cute.kernel
     def kernel(self, pG, pU, pSvhG, pSvhU, pSuhD, pIds, pMap, pA2, n_routes: Int32):
-        mG, mU, mA2 = _flat(pG), _flat(pU), _flat(pA2)
-        mSvhG, mSvhU, mSuhD = _flat(pSvhG), _flat(pSvhU), _flat(pSuhD)
-        mIds, mMap = _flat(pIds), _flat(pMap)
+        mG, mU, mA2 = ptx.flat_tensor(pG), ptx.flat_tensor(pU), ptx.flat_tensor(pA2)
+        mSvhG, mSvhU, mSuhD = ptx.flat_tensor(pSvhG), ptx.flat_tensor(pSvhU), ptx.flat_tensor(pSuhD)
+        mIds, mMap = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -146,7 +135,7 @@ class MidActivation:
         if item < n_routes * self.chunks:
             r = item // self.chunks
             col = (item - r * self.chunks) * CHUNK + 4 * lane
-            e = local_expert(mIds, mMap, r, self.has_map)
+            e = ptx.local_expert(mIds, mMap, r, self.has_map)
             if e >= 0:
                 vg = cute.make_rmem_tensor((4,), Float32)
                 vu = cute.make_rmem_tensor((4,), Float32)
@@ -185,8 +174,8 @@ class CombineOutput:
 
     @cute.kernel
     def kernel(self, pY, pSvhD, pIds, pMap, pW, pOut, m: Int32):
-        mY, mSvh, mIds, mMap, mW, mOut = (_flat(pY), _flat(pSvhD), _flat(pIds), _flat(pMap),
-                                          _flat(pW), _flat(pOut))
+        mY, mSvh, mIds, mMap, mW, mOut = (ptx.flat_tensor(pY), ptx.flat_tensor(pSvhD), ptx.flat_tensor(pIds), ptx.flat_tensor(pMap),
+                                          ptx.flat_tensor(pW), ptx.flat_tensor(pOut))
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -198,7 +187,7 @@ class CombineOutput:
             acc.fill(0.0)
             for k in cutlass.range_constexpr(self.topk):
                 r = t * self.topk + k
-                e = local_expert(mIds, mMap, r, self.has_map)
+                e = ptx.local_expert(mIds, mMap, r, self.has_map)
                 if e >= 0:
                     v = cute.make_rmem_tensor((4,), Float32)
                     for j in cutlass.range_constexpr(4):

@@ -16,11 +16,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from . import ptx
+
 THREADS = 1024
-
-
-def _flat(ptr):
-    return cute.make_tensor(ptr, cute.make_layout(1 << 30))
 
 
 class RoutePack:
@@ -47,9 +45,9 @@ class RoutePack:
                n_routes: Int32, max_blocks: Int32):
         E = self.num_experts
         M = self.block_m
-        mIds, mMap, mSorted = _flat(pIds), _flat(pMap), _flat(pSorted)
-        mBlockExpert, mNumPadded = _flat(pBlockExpert), _flat(pNumPadded)
-        mOffsets, mCounts = _flat(pOffsets), _flat(pCounts)
+        mIds, mMap, mSorted = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap), ptx.flat_tensor(pSorted)
+        mBlockExpert, mNumPadded = ptx.flat_tensor(pBlockExpert), ptx.flat_tensor(pNumPadded)
+        mOffsets, mCounts = ptx.flat_tensor(pOffsets), ptx.flat_tensor(pCounts)
         smem = cutlass.memory.SmemAllocator()
         sCount = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
         sCursor = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
@@ -60,9 +58,7 @@ class RoutePack:
             sCount[e] = 0
         cute.arch.sync_threads()
         for r in range(tidx, n_routes, THREADS):
-            e = mIds[r]
-            if self.has_map:
-                e = mMap[e]
+            e = ptx.local_expert(mIds, mMap, r, self.has_map)
             if e >= 0:
                 cute.arch.atomic_add((sCount.iterator + e).llvm_ptr, Int32(1))
         cute.arch.sync_threads()
@@ -107,9 +103,7 @@ class RoutePack:
             mBlockExpert[b] = -1
         cute.arch.sync_threads()
         for r in range(tidx, n_routes, THREADS):
-            e = mIds[r]
-            if self.has_map:
-                e = mMap[e]
+            e = ptx.local_expert(mIds, mMap, r, self.has_map)
             if e >= 0:
                 slot = cute.arch.atomic_add((sCursor.iterator + e).llvm_ptr, Int32(1))
                 mSorted[slot] = r

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-import kquant_cute.compiler as compiler
 from kquant_cute.cli import _Progress, main
 from kquant_cute.compile_cache import KEYED_ENV_VARS, CompileCache
 from kquant_cute.planners import ENV_PREFILL_BLOCK_M, ENV_PREFILL_MIN_M, PlanEnv
