@@ -290,3 +290,23 @@ def test_banded_plan_is_bitwise_equal_to_the_pair():
         out1 = _run(pair, x, ids, w).clone()
         out2 = _run(banded, x, ids, w).clone()
         assert torch.equal(out1, out2), f"m={m}: banded M={b2.block_m} vs pair M={b1.block_m}"
+
+
+@pytest.mark.parametrize("act_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16),
+                                                 (torch.float16, torch.float16)])
+def test_output_in_activation_dtype(act_dtype, out_dtype):
+    """The engine may ask for the output in the activation dtype instead of fp32."""
+    from kquant_cute.layer import MoELayer
+    from kquant_cute.reference import reference_moe
+    from kquant_cute.weights import MoEWeights
+
+    wts = MoEWeights.random(E_SMALL, H_SMALL, I_SMALL, 4, "mcg", seed=21, device="cuda")
+    layer = MoELayer(wts, topk=TOPK_SMALL, capacity=64, act_dtype=act_dtype,
+                     out_dtype=out_dtype, environ={})
+    x, ids, w = _inputs(64, H_SMALL, TOPK_SMALL, E_SMALL, act_dtype, seed=5)
+    layer.output.fill_(float("nan"))
+    out = layer(x, ids, w)
+    torch.cuda.synchronize()
+    assert out.dtype == out_dtype and not torch.isnan(out).any()
+    ref = reference_moe(x, ids, w, wts, dtype=torch.float64)
+    assert _rel_err(out, ref) < (1e-2 if act_dtype == torch.bfloat16 else 2e-3)
