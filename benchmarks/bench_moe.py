@@ -95,6 +95,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: the kernel's)")
     p.add_argument("--json", default=None)
+    p.add_argument("--png", default=None, help="also write a plot (needs matplotlib)")
     p.add_argument("--peer", action="store_true",
                    help="also time the dense bf16 torch._grouped_mm peer and print the floors")
     a = p.parse_args(argv)
@@ -149,9 +150,17 @@ def main(argv=None):
                       f"{r['plan'] / r['peer']:.2f}", f"{r['banded'] / r['peer']:.2f}",
                       f"{m8 / r['banded']:.2f}" if m8 else "-"]
         print("| " + " | ".join(cells) + " |")
+    result = {"device": torch.cuda.get_device_name(), "rows": rows}
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump(result, f, indent=1)
+    if a.png:
+        try:
+            from plot_bench import plot
+
+            plot(result, a.png)
+        except ImportError:
+            print("# matplotlib missing: no plot (run plot_bench.py on the JSON elsewhere)")
     return 0
 
 
