@@ -24,7 +24,7 @@ def balanced_ids(m, topk, num_experts, gen):
     return scores.topk(topk, dim=1).indices.to(torch.int32).contiguous()
 
 
-def time_layer(layer, m, args, sets=4, iters=50, warmup=5):
+def time_layer(layer, m, sets=4, iters=50, warmup=5):
     H, topk, E = layer.weights.hidden, layer.topk, layer.weights.num_experts
     gen = torch.Generator(device="cuda").manual_seed(m)
     inputs = []
@@ -119,16 +119,16 @@ def main(argv=None):
             env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(M), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
             layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env,
                              stages=a.stages)
-            ms, used = time_layer(layer, m, a, iters=a.iters)
+            ms, used = time_layer(layer, m, iters=a.iters)
             row[f"M{M}"] = ms if used == M or m <= 8 else None
             del layer
         layer = MoELayer(wts, topk=16, capacity=max(a.tokens), activation="situ", stages=a.stages)
-        ms, used = time_layer(layer, m, a, iters=a.iters)
+        ms, used = time_layer(layer, m, iters=a.iters)
         row["plan"], row["plan_M"] = ms, used
         del layer
         layer = MoELayer(wts, topk=16, capacity=max(a.tokens), activation="situ", stages=a.stages,
                          banded=True)
-        row["banded"], row["banded_M"] = time_layer(layer, m, a, iters=a.iters)
+        row["banded"], row["banded_M"] = time_layer(layer, m, iters=a.iters)
         del layer
         if peer is not None:
             row.update(peer_and_floors(peer, wts, m, a.bits, ceilings))

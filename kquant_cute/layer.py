@@ -35,9 +35,10 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class ScratchLayout:
-    """Byte offsets of every scratch buffer in the shared arena."""
+    """Byte offset, size, shape and dtype of every scratch buffer in the shared arena."""
 
     offsets: dict
+    sizes: dict
     shapes: dict
     dtypes: dict
     nbytes: int
@@ -60,15 +61,16 @@ def scratch_layout(spec: MoESpec, capacity: int, max_slots: int) -> ScratchLayou
         ("a2", (n + 1, I), torch.float16),
         ("y", (n, H), torch.float32),
     ]
-    offsets, shapes, dtypes, off = {}, {}, {}, 0
+    offsets, sizes, shapes, dtypes, off = {}, {}, {}, {}, 0
     for name, shape, dt in bufs:
         off = (off + 255) // 256 * 256
-        offsets[name], shapes[name], dtypes[name] = off, shape, dt
         numel = 1
         for s in shape:
             numel *= s
-        off += numel * torch.empty((), dtype=dt).element_size()
-    return ScratchLayout(offsets, shapes, dtypes, (off + 255) // 256 * 256)
+        offsets[name], shapes[name], dtypes[name] = off, shape, dt
+        sizes[name] = numel * torch.empty((), dtype=dt).element_size()
+        off += sizes[name]
+    return ScratchLayout(offsets, sizes, shapes, dtypes, (off + 255) // 256 * 256)
 
 
 def plan_scratch(base: MoESpec, capacity: int, block_ms) -> ScratchLayout:
@@ -135,13 +137,8 @@ class MoELayer:
 
     def _view(self, name: str) -> torch.Tensor:
         sl = self.scratch
-        dt = sl.dtypes[name]
-        numel = 1
-        for s in sl.shapes[name]:
-            numel *= s
-        nbytes = numel * torch.empty((), dtype=dt).element_size()
-        raw = self.arena[sl.offsets[name]: sl.offsets[name] + nbytes]
-        return raw.view(dt).view(sl.shapes[name])
+        raw = self.arena[sl.offsets[name]: sl.offsets[name] + sl.sizes[name]]
+        return raw.view(sl.dtypes[name]).view(sl.shapes[name])
 
     def describe(self) -> str:
         return self.plan.describe(scratch_bytes={"arena": self.scratch.nbytes,

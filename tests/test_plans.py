@@ -312,14 +312,6 @@ def test_layer_scratch_is_the_max_of_both_plans() -> None:
     # Block ids: enough for the narrowest plan's block count.
     assert both.shapes["block_expert"][0] * 8 >= both.shapes["sorted_routes"][0]
     # Buffers never overlap.
-    spans = sorted((both.offsets[k], both.offsets[k] + _nbytes(both, k)) for k in both.offsets)
+    spans = sorted((both.offsets[k], both.offsets[k] + both.sizes[k]) for k in both.offsets)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
 
-
-def _nbytes(layout, name):
-    import torch
-
-    numel = 1
-    for s in layout.shapes[name]:
-        numel *= s
-    return numel * torch.empty((), dtype=layout.dtypes[name]).element_size()
