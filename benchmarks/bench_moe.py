@@ -56,8 +56,9 @@ def time_layer(layer, m, sets=4, iters=50, warmup=5):
     return statistics.median(times), graphs[0][1]
 
 
-def peer_and_floors(peer, wts, m, bits, ceilings, iters=30):
-    """Graph-replayed bf16 grouped-GEMM peer time and the HBM / MMA floors for m tokens."""
+def peer_and_floors(peer, wts, m, bits, ceilings, decode=None, iters=30):
+    """Graph-replayed bf16 grouped-GEMM peer time, the HBM / MMA floors and (with
+    `decode`) the measured decode-only ceiling for m tokens."""
     H, I, E = wts.hidden, wts.intermediate, wts.num_experts
     gen = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, H, generator=gen, device="cuda").to(torch.bfloat16)
@@ -77,11 +78,12 @@ def peer_and_floors(peer, wts, m, bits, ceilings, iters=30):
         e.synchronize()
         times.append(s.elapsed_time(e))
     touched = int(torch.unique(ids).numel())
+    extra = {"decode_floor": decode.time(ids, iters)} if decode is not None else {}
     hbm_bytes = touched * 3 * H * I * bits / 8 + m * H * (2 + 4)
     flops = 2 * m * 16 * 3 * H * I
     return {"peer": statistics.median(times), "touched_experts": touched,
             "hbm_floor": hbm_bytes / ceilings["copy_Bps"] * 1e3,
-            "mma_floor": flops / (0.75 * ceilings["bf16_flops"]) * 1e3}
+            "mma_floor": flops / (0.75 * ceilings["bf16_flops"]) * 1e3, **extra}
 
 
 def main(argv=None):
@@ -94,6 +96,9 @@ def main(argv=None):
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: the kernel's)")
+    p.add_argument("--occupancy", type=int, default=None,
+                   help="GEMM register target in CTAs per SM (default 1: none; 0: what shared "
+                        "memory allows)")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None, help="also write a plot (needs matplotlib)")
     p.add_argument("--peer", action="store_true",
@@ -103,40 +108,43 @@ def main(argv=None):
     wts = MoEWeights.random(896, 3584, 384, a.bits, "mcg", shared_hidden_vectors=True, seed=0,
                             device="cuda")
     print(f"# {torch.cuda.get_device_name()}  weights ready in {time.time() - t0:.1f}s", flush=True)
-    peer = ceilings = None
+    peer = ceilings = decode = None
     if a.peer:
-        from peers import Bf16GroupedMoE, measure_bf16_matmul_rate, measure_copy_bandwidth
+        from peers import (Bf16GroupedMoE, DecodeCeiling, measure_bf16_matmul_rate,
+                           measure_copy_bandwidth)
 
         peer = Bf16GroupedMoE(wts, topk=16, activation="situ")
+        decode = DecodeCeiling(wts)
+        print(f"# decode-only kernel: {decode.resources}", flush=True)
         ceilings = {"copy_Bps": measure_copy_bandwidth(), "bf16_flops": measure_bf16_matmul_rate()}
         print(f"# ceilings: copy {ceilings['copy_Bps'] / 1e12:.2f} TB/s, bf16 matmul "
               f"{ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s; peer weights "
               f"{peer.weight_bytes() / 1e9:.2f} GB", flush=True)
+    knobs = {"stages": a.stages, "occupancy": a.occupancy}
     rows = []
     for m in a.tokens:
         row = {"tokens": m}
         for M in a.blocks:
             env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(M), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
-            layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env,
-                             stages=a.stages)
+            layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env, **knobs)
             ms, used = time_layer(layer, m, iters=a.iters)
             row[f"M{M}"] = ms if used == M or m <= 8 else None
             del layer
-        layer = MoELayer(wts, topk=16, capacity=max(a.tokens), activation="situ", stages=a.stages)
+        layer = MoELayer(wts, topk=16, capacity=max(a.tokens), activation="situ", **knobs)
         ms, used = time_layer(layer, m, iters=a.iters)
         row["plan"], row["plan_M"] = ms, used
         del layer
-        layer = MoELayer(wts, topk=16, capacity=max(a.tokens), activation="situ", stages=a.stages,
-                         banded=True)
+        layer = MoELayer(wts, topk=16, capacity=max(a.tokens), activation="situ", banded=True,
+                         **knobs)
         row["banded"], row["banded_M"] = time_layer(layer, m, iters=a.iters)
         del layer
         if peer is not None:
-            row.update(peer_and_floors(peer, wts, m, a.bits, ceilings))
+            row.update(peer_and_floors(peer, wts, m, a.bits, ceilings, decode))
         torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
-    extra = (["bf16 peer", "HBM floor", "MMA floor", "plan/peer", "banded/peer", "M8/banded"]
-             if peer else [])
+    extra = (["bf16 peer", "HBM floor", "MMA floor", "decode-only", "plan/peer", "banded/peer",
+              "banded/decode", "M8/banded"] if peer else [])
     head = ["tokens"] + [f"M{M}" for M in a.blocks] + ["plan (M)", "banded (M)"] + extra
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -147,7 +155,9 @@ def main(argv=None):
         if peer:
             m8 = r.get("M8")
             cells += [f"{r['peer']:.3f}", f"{r['hbm_floor']:.3f}", f"{r['mma_floor']:.3f}",
+                      f"{r['decode_floor']:.3f}",
                       f"{r['plan'] / r['peer']:.2f}", f"{r['banded'] / r['peer']:.2f}",
+                      f"{r['banded'] / r['decode_floor']:.2f}",
                       f"{m8 / r['banded']:.2f}" if m8 else "-"]
         print("| " + " | ".join(cells) + " |")
     result = {"device": torch.cuda.get_device_name(), "rows": rows}

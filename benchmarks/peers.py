@@ -3,6 +3,9 @@
 - `Bf16GroupedMoE`: the same layer (same routing, the trellis weights dequantized with all
   rotations into dense bf16 experts) through `torch._grouped_mm`, graph-capturable: routes
   sorted by expert on the GPU, three grouped GEMMs, router-weighted scatter-add.
+- `DecodeCeiling`: the measured decode-only ceiling: the decode-only kernel
+  (`kernels/decode_ceiling.py`) over the touched experts of all three projections,
+  graph-replayed.
 - `measure_copy_bandwidth()`, `measure_bf16_matmul_rate()`: the ceilings the floors use.
 """
 
@@ -77,3 +80,61 @@ def measure_bf16_matmul_rate(n: int = 8192) -> float:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = _time(lambda: a @ b)
     return 2 * n**3 / (ms * 1e-3)
+
+
+class DecodeCeiling:
+    """Decodes the touched experts' trellis codes of gate, up and down once each (one
+    decode-only launch per projection, same decode and cp.async ring as the GEMM)."""
+
+    def __init__(self, weights, *, ctas_per_sm: int = 8):
+        from kquant_cute.kernels.build import compile_decode
+
+        arch = "sm_%d%da" % torch.cuda.get_device_capability()
+        w = weights
+        self.trellis = (w.gate_trellis, w.up_trellis, w.down_trellis)
+        shapes = ((w.hidden, w.intermediate), (w.intermediate, w.hidden))
+        self.fns = {}
+        self.resources = {}
+        for k_dim, n_dim in shapes:
+            fn, res = compile_decode(k_dim=k_dim, n_dim=n_dim, bits=w.bits, codebook=w.codebook,
+                                     arch=arch, min_ctas_per_sm=ctas_per_sm)
+            self.fns[(k_dim, n_dim)] = fn
+            self.resources[(k_dim, n_dim)] = res
+        self.shapes = (shapes[0], shapes[0], shapes[1])
+        self.out = torch.empty(w.num_experts * (max(w.hidden, w.intermediate) // 128) * 128,
+                               dtype=torch.int32, device="cuda")
+
+    def time(self, ids, iters=30) -> float:
+        """Median ms of one graph replay that decodes the experts in `ids` once."""
+        import cuda.bindings.driver as cuda
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_ptr
+
+        experts = torch.unique(ids).to(torch.int32).contiguous()
+
+        def P(t, dt):
+            return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+
+        def run():
+            stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+            for codes, shape in zip(self.trellis, self.shapes):
+                self.fns[shape](P(codes, cutlass.Int16), P(experts, cutlass.Int32),
+                                P(self.out, cutlass.Uint32), cutlass.Int32(experts.numel()),
+                                stream)
+
+        run()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        times = []
+        for _ in range(iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.replay()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        times.sort()
+        return times[len(times) // 2]

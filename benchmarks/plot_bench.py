@@ -3,7 +3,8 @@
     python benchmarks/plot_bench.py results.json docs/bench_h200_k4.png
 
 Lines: our forward per route block M, the plan pair, the banded plan, the bf16 grouped-GEMM
-peer and the HBM / MMA floors, milliseconds over tokens (log-log).
+peer, the HBM / MMA floors and the measured decode-only ceiling, milliseconds over tokens
+(log-log).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def plot(data: dict, path: str) -> None:
         ax.plot(tokens, ys, marker=".", linewidth=1, alpha=0.6, label=f"ours M={key[1:]}")
     for key, style, label in (("plan", "o-", "ours, plan pair"), ("banded", "s-", "ours, banded plan"),
                               ("peer", "k^-", "bf16 torch._grouped_mm"),
-                              ("hbm_floor", "k--", "HBM floor"), ("mma_floor", "k:", "MMA floor")):
+                              ("hbm_floor", "k--", "HBM floor"), ("mma_floor", "k:", "MMA floor"),
+                              ("decode_floor", "r-.", "decode-only kernel (measured)")):
         if key in rows[0]:
             ax.plot(tokens, [r[key] for r in rows], style, linewidth=2 if key in ("banded", "peer") else 1.2,
                     label=label)

@@ -3,6 +3,11 @@
     python benchmarks/profile_moe.py [--tokens 16 1536] [--block-m M]
 
 Prints, per token count, each kernel's share of one forward (averaged over replays).
+With `--bare` it only runs the forwards (3 warm-up + `--reps`), for an outside profiler:
+
+    ncu --clock-control none -k regex:TrellisGemm --launch-skip 9 --launch-count 3 \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+        python benchmarks/profile_moe.py --tokens 4096 --reps 1 --bare
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 1536])
     p.add_argument("--block-m", type=int, default=None)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--bare", action="store_true", help="run the forwards only (no torch.profiler)")
     a = p.parse_args(argv)
     wts = MoEWeights.random(896, 3584, 384, 4, "mcg", shared_hidden_vectors=True, seed=0, device="cuda")
     for m in a.tokens:
@@ -37,6 +43,12 @@ def main(argv=None):
         for _ in range(3):
             bound.run()
         torch.cuda.synchronize()
+        if a.bare:
+            for _ in range(a.reps):
+                bound.run()
+            torch.cuda.synchronize()
+            del layer
+            continue
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(a.reps):
                 bound.run()

@@ -38,7 +38,7 @@ class KernelResources:
 
 
 def _short_kernel_name(raw: str) -> str:
-    for key in ("TrellisGemm", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
+    for key in ("TrellisGemm", "TrellisDecode", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
         if key in raw:
             return key
     return raw[:48]
@@ -172,3 +172,31 @@ class LoadedForward:
 
     def __call__(self, *args):
         return self.fn(*args)
+
+
+def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: str = "sm_90a",
+                   stages: int | None = None, min_ctas_per_sm: int = 1):
+    """Cross-compile the decode-only kernel (`kernels.decode_ceiling`) for one projection
+    shape; returns (the JIT-compiled callable, its measured resources). The callable takes
+    (trellis, experts, out) pointers, the expert count and a stream; it runs only where
+    `arch` matches the GPU."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from .decode_ceiling import TrellisDecode
+    from .trellis_gemm import DEFAULT_STAGES
+
+    stages = DEFAULT_STAGES if stages is None else stages
+    probe = TrellisDecode(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
+                          stages=stages, min_ctas_per_sm=min_ctas_per_sm)
+    args = [make_ptr(dt, 256, cute.AddressSpace.gmem, assumed_align=16)
+            for dt in (cutlass.Int16, cutlass.Int32, cutlass.Uint32)]
+    with tempfile.TemporaryDirectory(prefix="kq_cubin_") as tmp:
+        compiled = cute.compile(probe, *args, cutlass.Int32(1), cuda.CUstream(0),
+                                options=f"--gpu-arch {arch} --keep-cubin --dump-dir {tmp}")
+        cubins = glob.glob(os.path.join(tmp, "*.cubin"))
+        resources = (read_resources(cubins[0], {"TrellisDecode": probe.smem_bytes})
+                     if cubins and find_cuobjdump() else [])
+    return compiled, resources

@@ -27,7 +27,8 @@ from cutlass import Int32
 
 from .rotate import ACTIVATIONS, CombineOutput, MidActivation, RotateInput
 from .route_pack import RoutePack
-from .trellis_gemm import DEFAULT_STAGES, TrellisGemm, smem_bytes as gemm_smem_bytes
+from .trellis_gemm import (DEFAULT_STAGES, MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA, TrellisGemm,
+                           smem_bytes as gemm_smem_bytes)
 
 ACT_DTYPES = ("bfloat16", "float16")
 OUT_DTYPES = ("float32", "bfloat16", "float16")
@@ -71,6 +72,10 @@ class MoESpec:
     shared_hidden_vectors: bool = False
     has_expert_map: bool = False
     stages: int = DEFAULT_STAGES
+    #: GEMM register target in CTAs per SM (nvvm.minctasm): 1 = none (the default; on the
+    #: H200 a target measured no faster), 0 = as many as shared memory allows
+    #: (`TrellisGemm.occupancy_target`), n = n.
+    occupancy: int = 1
     arch: str = "sm_90a"
 
     def check(self, smem_limit: int | None = None) -> str | None:
@@ -79,6 +84,9 @@ class MoESpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 return f"{name} must be a positive int, got {v!r}"
+        if (not isinstance(self.occupancy, int) or isinstance(self.occupancy, bool)
+                or not 0 <= self.occupancy <= MAX_CTAS_PER_SM):
+            return f"occupancy must be an int in 0..{MAX_CTAS_PER_SM}, got {self.occupancy!r}"
         if self.act_dtype not in ACT_DTYPES:
             return f"act_dtype {self.act_dtype!r} not in {ACT_DTYPES}"
         if self.out_dtype not in OUT_DTYPES:
@@ -117,7 +125,16 @@ class MoESpec:
         return (f"kq_moe_m{self.block_m}_k{self.bits}_{self.codebook}_{self.act_dtype}_"
                 f"{self.out_dtype}_{self.activation}_{'shared' if self.shared_hidden_vectors else 'perexp'}"
                 f"{'_map' if self.has_expert_map else ''}_e{self.num_experts}_h{self.hidden}_"
-                f"i{self.intermediate}_t{self.topk}_s{self.stages}_{self.arch}")
+                f"i{self.intermediate}_t{self.topk}_s{self.stages}"
+                f"{f'_o{self.occupancy}' if self.occupancy != 1 else ''}_{self.arch}")
+
+    def gemm_ctas_per_sm(self) -> int:
+        """The GEMM's register target in CTAs per SM (see `occupancy`)."""
+        if self.occupancy:
+            return self.occupancy
+        smem_per_sm = (cutlass.memory.get_smem_capacity_in_bytes(self.arch.removesuffix("a"))
+                       + SMEM_RESERVED_PER_CTA)
+        return TrellisGemm.occupancy_target(self.block_m, self.bits, self.stages, smem_per_sm)
 
 
 def dsl_dtype(name: str, spec: MoESpec):
@@ -143,12 +160,14 @@ class MoEForward:
                                      has_map=spec.has_expert_map)
         self.gemm1 = TrellisGemm(block_m=spec.block_m, k_dim=spec.hidden, n_dim=spec.intermediate,
                                  bits=spec.bits, codebook=spec.codebook, topk=spec.topk,
-                                 a_rows_per_token=not per_route, stages=spec.stages)
+                                 a_rows_per_token=not per_route, stages=spec.stages,
+                                 min_ctas_per_sm=spec.gemm_ctas_per_sm())
         self.mid = MidActivation(intermediate=spec.intermediate, activation=spec.activation,
                                  has_map=spec.has_expert_map)
         self.gemm2 = TrellisGemm(block_m=spec.block_m, k_dim=spec.intermediate, n_dim=spec.hidden,
                                  bits=spec.bits, codebook=spec.codebook, topk=spec.topk,
-                                 a_rows_per_token=False, stages=spec.stages)
+                                 a_rows_per_token=False, stages=spec.stages,
+                                 min_ctas_per_sm=spec.gemm_ctas_per_sm())
         self.combine = CombineOutput(hidden=spec.hidden, topk=spec.topk,
                                      shared_svh=spec.shared_hidden_vectors,
                                      has_map=spec.has_expert_map,

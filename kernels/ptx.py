@@ -97,6 +97,24 @@ def mul1_half2(x0, x1, kinv_bits, kbias_bits, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def hadd2(a, b, *, loc=None, ip=None):
+    """Packed fp16x2 add (round to nearest even) of two half2 registers (FMA pipe)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [_u32(a, loc, ip), _u32(b, loc, ip)], "add.rn.f16x2 $0, $1, $2;", "=r,r,r",
+        loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def st_global_v2_f32(gmem_addr, a, b, *, loc=None, ip=None):
+    """One 8-byte store of two fp32 values to an 8-byte aligned global address."""
+    llvm.inline_asm(
+        None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip), _f32(a, loc, ip), _f32(b, loc, ip)],
+        "st.global.v2.f32 [$0], {$1, $2};", "l,f,f", has_side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
 def funnel_hi(hi, lo, shift, *, loc=None, ip=None):
     """Upper 32 bits of the 64-bit value (hi:lo) shifted left by `shift` (0..32, clamped)."""
     return Uint32(llvm.inline_asm(
@@ -148,6 +166,6 @@ def shfl_xor_f32(x, offset: int, *, loc=None, ip=None):
 
 
 __all__ = [
-    "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "funnel_hi", "prmt_u32",
+    "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "hadd2", "st_global_v2_f32", "funnel_hi", "prmt_u32",
     "cp_async_16", "ldmatrix_x4", "shfl_xor_f32", "flat_tensor", "local_expert",
 ]

@@ -36,6 +36,8 @@ K_STEPS_PER_STAGE = 4  # 16-wide reduction steps per pipeline stage (64 elements
 A_ROW_HALVES = 16 * K_STEPS_PER_STAGE + 8  # padded smem row: conflict-free ldmatrix
 DEFAULT_STAGES = 4
 MAX_STAGES = 8
+MAX_CTAS_PER_SM = 8  # occupancy target cap (64 regs/thread at 8 x 128 threads)
+SMEM_RESERVED_PER_CTA = 1024  # the driver's per-CTA shared-memory reservation
 
 
 def smem_bytes(block_m: int, bits: int, stages: int) -> int:
@@ -63,12 +65,25 @@ def decode_pair(s0, s1, codebook: str):
     raise ValueError(f"codebook {codebook!r} has no mma decode path (supported: {MMA_CODEBOOKS})")
 
 
+def lane_window(bits: int) -> tuple[int | None, int]:
+    """Where a lane's 8 states start in its 32-bit words: (compile-time bit offset q0 or
+    None, words to load). Lane L's first state starts at stream bit p0 = (8L+1)K - 16 (mod
+    the ring); when 8K is a multiple of 32 (K = 4) p0 mod 32 is the same for every lane, so
+    the states sit at fixed offsets of 2 words and no run-time funnel shift is needed."""
+    if (8 * bits) % 32 == 0:
+        q0 = (bits - 16) % 32
+        return q0, (q0 + 16 + 7 * bits + 31) // 32
+    return None, 3
+
+
 def state_windows(bits: int) -> list[tuple[int, int]]:
-    """For each of a lane's 8 states (window offset i*bits), the (window shift d, offset r
-    inside that 32-bit window) to extract it from. Windows 0 and 32 exist anyway; each other
-    window costs one funnel shift, and a state at r in {0, 8, 16} costs one op (else two),
-    so windows are added greedily while they save ops."""
-    offsets = [i * bits for i in range(8)]
+    """For each of a lane's 8 states, the (window shift d, offset r inside that 32-bit
+    window) to extract it from. Offsets are counted MSB-first in the 64-bit view (hi:lo)
+    of the lane's words; windows 0 (hi) and 32 (lo) exist anyway, each other window costs
+    one funnel shift, and a state at r in {0, 8, 16} costs one op (else two), so windows
+    are added greedily while they save ops."""
+    q0, _ = lane_window(bits)
+    offsets = [(q0 or 0) + i * bits for i in range(8)]
     cheap = (0, 8, 16)
 
     def cost(ws):
@@ -99,11 +114,62 @@ def state_windows(bits: int) -> list[tuple[int, int]]:
     return plan
 
 
+def decode_lane_tile(words, q0, bits: int, codebook: str) -> list:
+    """This lane's 8 weights of one 16x16 tile -> 4 half2 B registers (pairs in t order).
+
+    `words` are the lane's `lane_window(bits)[1]` consecutive ring words (from word
+    p0 // 32) and `q0` = p0 mod 32 (run-time; unused when it is a compile-time constant).
+    With a run-time q0, two funnel shifts align a 64-bit window first. A few more windows
+    (chosen at compile time by `state_windows`) put every state at a byte offset 0, 8 or 16
+    of some 32-bit word, where one ALU op (shift, byte permute or mask) extracts it."""
+    static_q0, _ = lane_window(bits)
+    if static_q0 is None:
+        u0, u1, u2 = words
+        w_hi = ptx.funnel_hi(u0, u1, q0)
+        w_lo = ptx.funnel_hi(u1, u2, q0)
+    else:
+        w_hi, w_lo = words
+    windows = {0: w_hi, 32: w_lo}
+    plan = state_windows(bits)
+    for d in sorted({d for d, _ in plan}):
+        if d not in windows:
+            windows[d] = ptx.funnel_hi(w_hi, w_lo, Uint32(d))
+    states = []
+    for d, r in plan:
+        w = windows[d]
+        if r == 0:
+            st = w >> 16
+        elif r == 8:
+            st = ptx.prmt_u32(w, 0x4421)
+        elif r == 16:
+            st = w & Uint32(0xFFFF)
+        else:
+            st = (w >> (16 - r)) & Uint32(0xFFFF)
+        states.append(st)
+    return [decode_pair(states[2 * p], states[2 * p + 1], codebook) for p in range(4)]
+
+
+def lane_words(lane, bits: int):
+    """Run-time (word indices, q0) of a lane's trellis window inside one tile's ring."""
+    tile_words = 8 * bits
+    ring_bits = 256 * bits
+    p0 = (8 * lane + 1) * bits - 16 + ring_bits
+    p0 = cutlass.select_(p0 >= ring_bits, p0 - ring_bits, p0)
+    w = Int32(p0) // 32
+    q0 = Int32(p0) % 32
+    idx = [w]
+    for _ in range(lane_window(bits)[1] - 1):
+        nxt = idx[-1] + 1
+        idx.append(Int32(cutlass.select_(nxt >= tile_words, nxt - tile_words, nxt)))
+    return idx, q0
+
+
 class TrellisGemm:
     """One specialization of the trellis grouped GEMM (see module docstring)."""
 
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
-                 topk: int, a_rows_per_token: bool, stages: int = DEFAULT_STAGES):
+                 topk: int, a_rows_per_token: bool, stages: int = DEFAULT_STAGES,
+                 min_ctas_per_sm: int = 1):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages)
         if reason is not None:
@@ -116,6 +182,8 @@ class TrellisGemm:
         self.topk = topk
         self.a_rows_per_token = a_rows_per_token
         self.stages = stages
+        # Register-allocation target (nvvm.minctasm): CTAs that must fit on one SM.
+        self.min_ctas_per_sm = min_ctas_per_sm
         # Derived once.
         self.m_tiles = (block_m + 15) // 16
         self.m_pad = 16 * self.m_tiles
@@ -124,7 +192,6 @@ class TrellisGemm:
         self.n_tiles16 = n_dim // fmt.TILE
         self.n_tiles = n_dim // TILE_N
         self.tile_words = 8 * bits  # uint32 words per 16x16 trellis tile
-        self.ring_bits = 256 * bits
         self.a_stage_halves = self.m_pad * A_ROW_HALVES
         self.b_stage_words = (TILE_N // 16) * K_STEPS_PER_STAGE * self.tile_words
         self.a_chunks = block_m * (K_STEPS_PER_STAGE * 16 * 2 // 16)  # 16-byte copies per stage
@@ -132,6 +199,14 @@ class TrellisGemm:
         self.a_iters = (self.a_chunks + THREADS - 1) // THREADS
         self.b_iters = (self.b_chunks + THREADS - 1) // THREADS
         self.smem_bytes = smem_bytes(block_m, bits, stages)
+
+    @staticmethod
+    def occupancy_target(block_m: int, bits: int, stages: int, smem_per_sm: int) -> int:
+        """CTAs per SM that shared memory allows (1..MAX_CTAS_PER_SM): the register target
+        that keeps registers from being the tighter limit. On sm_90 (228 KB per SM) and the
+        default 4 stages: M=8/16 -> 8 (64 regs), 32 -> 6 (80), 48 -> 5 (96), 64 -> 4 (128)."""
+        per_cta = smem_bytes(block_m, bits, stages) + SMEM_RESERVED_PER_CTA
+        return max(1, min(MAX_CTAS_PER_SM, smem_per_sm // per_cta))
 
     @staticmethod
     def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
@@ -162,38 +237,10 @@ class TrellisGemm:
         # packed block count exit at once, and the hardware scheduler balances the rest.
         self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOut, n_routes, zero_row).launch(
             grid=[max_blocks * self.n_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
-            stream=stream)
+            stream=stream, min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
 
-    def decode_tile(self, u0, u1, u2, q0, rBf, jj):
-        """This lane's 8 weights of one 16x16 tile -> 4 half2 B registers (pairs in t order).
-
-        Two funnel shifts align the lane's 64-bit window once; a few more windows (chosen at
-        compile time by `state_windows`) put every state at a byte offset 0, 8 or 16 of
-        some 32-bit word, where one ALU op (shift, byte permute or mask) extracts it."""
-        w_hi = ptx.funnel_hi(u0, u1, q0)
-        w_lo = ptx.funnel_hi(u1, u2, q0)
-        windows = {0: w_hi, 32: w_lo}
-        plan = state_windows(self.bits)
-        for d in sorted({d for d, _ in plan}):
-            if d not in windows:
-                windows[d] = ptx.funnel_hi(w_hi, w_lo, Uint32(d))
-        states = []
-        for d, r in plan:
-            w = windows[d]
-            if r == 0:
-                st = w >> 16
-            elif r == 8:
-                st = ptx.prmt_u32(w, 0x4421)
-            elif r == 16:
-                st = w & Uint32(0xFFFF)
-            else:
-                st = (w >> (16 - r)) & Uint32(0xFFFF)
-            states.append(st)
-        for pair in range(4):
-            rBf[jj, pair] = decode_pair(states[2 * pair], states[2 * pair + 1], self.codebook)
-
-    def issue_stage(self, ks, buf, a_gaddr, b_gbase, a_saddr, b_saddr, rAsrc, tidx):
-        """cp.async the A rows and trellis words of pipeline stage `ks` into buffer `buf`."""
+    def issue_a(self, ks, buf, a_gaddr, a_saddr, rAsrc, tidx):
+        """cp.async the A rows of pipeline stage `ks` into buffer `buf`."""
         # Threads past the last chunk repeat an earlier chunk (same bytes, same place), so no
         # thread needs a branch.
         for i in range(self.a_iters):
@@ -203,6 +250,10 @@ class TrellisGemm:
             src = a_gaddr + (rAsrc[i] * self.k_dim + ks * (16 * K_STEPS_PER_STAGE) + col * 8) * 2
             dst = a_saddr + ((buf * self.m_pad + row) * A_ROW_HALVES + col * 8) * 2
             ptx.cp_async_16(dst, src)
+
+    def issue_b(self, ks, buf, b_gbase, b_saddr, tidx):
+        """cp.async the trellis words of pipeline stage `ks` (4 k-tiles x the N tile's 8
+        16-column tiles) into buffer `buf`."""
         run_chunks = (TILE_N // 16) * self.tile_words * 4 // 16  # 16-B chunks of one k-tile's 8 tiles
         for i in range(self.b_iters):
             q = (tidx + THREADS * i) % self.b_chunks
@@ -213,6 +264,29 @@ class TrellisGemm:
             dst = b_saddr + (buf * self.b_stage_words + kl * (TILE_N // 16) * self.tile_words) * 4 + within * 16
             ptx.cp_async_16(dst, src)
 
+    def b_tile_base(self, expert, nt):
+        """Byte offset of (k-tile 0, first 16-column tile of N tile `nt`) of `expert`."""
+        return Int64(expert * (self.k_tiles * self.n_tiles16) + nt * (TILE_N // 16)) * (self.tile_words * 4)
+
+    @cute.jit
+    def store_tile(self, out_addr, acc, rRoute, nt, warp, c, n_routes):
+        """Write this lane's accumulators of N tile `nt` to the rows of real routes (one
+        8-byte store per column pair)."""
+        col_base = nt * TILE_N + warp * 32 + 2 * c
+        for mt in cutlass.range_constexpr(self.m_tiles):
+            for hf in cutlass.range_constexpr(2):
+                r = rRoute[2 * mt + hf]
+                if r < n_routes:
+                    row_addr = out_addr + (Int64(r) * self.n_dim + col_base) * 4
+                    for nn in cutlass.range_constexpr(4):
+                        ptx.st_global_v2_f32(row_addr + nn * 32, acc[mt, nn, 2 * hf],
+                                             acc[mt, nn, 2 * hf + 1])
+
+    def decode_stage(self, sB, buf, kk, warp, widx, q0, jj):
+        """This lane's 4 half2 B registers of tile (k step kk, 16-column tile 2*warp + jj)."""
+        tb = buf * self.b_stage_words + (kk * (TILE_N // 16) + warp * 2 + jj) * self.tile_words
+        return decode_lane_tile([sB[tb + w] for w in widx], q0, self.bits, self.codebook)
+
     @cute.kernel
     def kernel(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
@@ -221,7 +295,6 @@ class TrellisGemm:
         mSorted = cute.make_tensor(pSorted, cute.make_layout(big))
         mBlockExpert = cute.make_tensor(pBlockExpert, cute.make_layout(big))
         mNumPadded = cute.make_tensor(pNumPadded, cute.make_layout(1))
-        mOut = cute.make_tensor(pOut, cute.make_layout((big, self.n_dim), stride=(self.n_dim, 1)))
         a_gaddr = pA.toint()
         b_gaddr = pB.toint()
 
@@ -239,14 +312,7 @@ class TrellisGemm:
         c = lane % 4
 
         # Lane-constant part of the trellis bit window: weights 8*lane .. 8*lane+7.
-        p0 = (8 * lane + 1) * self.bits - 16 + self.ring_bits
-        p0 = cutlass.select_(p0 >= self.ring_bits, p0 - self.ring_bits, p0)
-        w0 = Int32(p0) // 32
-        q0 = Int32(p0) % 32
-        w1 = w0 + 1
-        w1 = Int32(cutlass.select_(w1 >= self.tile_words, w1 - self.tile_words, w1))
-        w2 = w1 + 1
-        w2 = Int32(cutlass.select_(w2 >= self.tile_words, w2 - self.tile_words, w2))
+        widx, q0 = lane_words(lane, self.bits)
         # ldmatrix row address of this lane inside one 16-row m tile.
         lm_row = ((lane // 8) % 2) * 8 + lane % 8
         lm_col = (lane // 16) * 8
@@ -278,25 +344,27 @@ class TrellisGemm:
                     else:
                         rRoute[h] = n_routes
                 acc.fill(0.0)
-                b_gbase = b_gaddr + Int64(expert * (self.k_tiles * self.n_tiles16) + nt * (TILE_N // 16)) * (self.tile_words * 4)
+                b_gbase = b_gaddr + self.b_tile_base(expert, nt)
                 for s in cutlass.range_constexpr(self.stages - 1):
                     if s < self.k_stages:
-                        self.issue_stage(s, s, a_gaddr, b_gbase, a_saddr, b_saddr, rAsrc, tidx)
+                        self.issue_a(s, s, a_gaddr, a_saddr, rAsrc, tidx)
+                        self.issue_b(s, s, b_gbase, b_saddr, tidx)
                     cute.arch.cp_async_commit_group()
                 for ks in range(self.k_stages):
                     cute.arch.cp_async_wait_group(self.stages - 2)
                     cute.arch.sync_threads()
                     nxt = ks + self.stages - 1
                     if nxt < self.k_stages:
-                        self.issue_stage(nxt, nxt % self.stages, a_gaddr, b_gbase, a_saddr, b_saddr,
-                                         rAsrc, tidx)
+                        self.issue_a(nxt, nxt % self.stages, a_gaddr, a_saddr, rAsrc, tidx)
+                        self.issue_b(nxt, nxt % self.stages, b_gbase, b_saddr, tidx)
                     cute.arch.cp_async_commit_group()
                     buf = ks % self.stages
                     for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
                         rBf = cute.make_rmem_tensor((2, 4), Uint32)
                         for jj in cutlass.range_constexpr(2):
-                            tb = buf * self.b_stage_words + (kk * (TILE_N // 16) + warp * 2 + jj) * self.tile_words
-                            self.decode_tile(sB[tb + w0], sB[tb + w1], sB[tb + w2], q0, rBf, jj)
+                            halves = self.decode_stage(sB, buf, kk, warp, widx, q0, jj)
+                            for pair in cutlass.range_constexpr(4):
+                                rBf[jj, pair] = halves[pair]
                         for mt in cutlass.range_constexpr(self.m_tiles):
                             a_addr = a_saddr + ((buf * self.m_pad + mt * 16 + lm_row) * A_ROW_HALVES
                                                 + kk * 16 + lm_col) * 2
@@ -313,12 +381,4 @@ class TrellisGemm:
                                 acc[mt, nn, 3] = d3
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.sync_threads()  # the next work item refills every buffer
-                col_base = nt * TILE_N + warp * 32 + 2 * c
-                for mt in cutlass.range_constexpr(self.m_tiles):
-                    for hf in cutlass.range_constexpr(2):
-                        r = rRoute[2 * mt + hf]
-                        if r < n_routes:
-                            for nn in cutlass.range_constexpr(4):
-                                col = col_base + nn * 8
-                                mOut[r, col] = acc[mt, nn, 2 * hf]
-                                mOut[r, col + 1] = acc[mt, nn, 2 * hf + 1]
+                self.store_tile(pOut.toint(), acc, rRoute, nt, warp, c, n_routes)

@@ -87,8 +87,9 @@ class MoELayer:
     def __init__(self, weights: MoEWeights, *, topk: int, capacity: int,
                  act_dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.float32,
                  activation: str = "silu", num_global_experts: Optional[int] = None,
-                 arch: Optional[str] = None, stages: Optional[int] = None, environ=None,
-                 cache=None, banded: bool = False):
+                 arch: Optional[str] = None, stages: Optional[int] = None,
+                 occupancy: Optional[int] = None, environ=None, cache=None,
+                 banded: bool = False):
         if not isinstance(weights, MoEWeights):
             raise TypeError("weights must be a kquant_cute.weights.MoEWeights")
         if weights.device.type != "cuda":
@@ -114,6 +115,8 @@ class MoELayer:
                        has_expert_map=num_global_experts is not None)
         if stages is not None:
             base = base.replace(stages=stages)
+        if occupancy is not None:
+            base = base.replace(occupancy=occupancy)
         if capacity > base.max_tokens():
             raise ValueError(f"capacity {capacity} > {base.max_tokens()} (32-bit scratch indexing)")
         self.plan: ForwardPlan = plan_forward(base, capacity=capacity, arch=arch, env=env,

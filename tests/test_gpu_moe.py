@@ -87,6 +87,38 @@ def test_decode_bit_exact_through_gemm(codebook, bits):
     assert torch.equal(out.cpu(), ref), (out.cpu() - ref).abs().max()
 
 
+@pytest.mark.parametrize("codebook,bits", [("mcg", 4), ("mcg", 3), ("mul1", 2), ("3inst", 6)])
+def test_decode_only_kernel_checksum(codebook, bits):
+    """The decode-only ceiling kernel decodes every weight of the listed experts: its
+    per-thread checksum equals the host model bit for bit (poisoned output first)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cuda.bindings.driver as cuda
+    from cutlass.cute.runtime import make_ptr
+
+    from kquant_cute import trellis
+    from kquant_cute.kernels.build import compile_decode
+    from kquant_cute.kernels.decode_ceiling import reference_checksum
+
+    k_dim, n_dim, n_exp = 384, 256, 5
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.stack([trellis.random_trellis(k_dim, n_dim, bits, generator=g)
+                         for _ in range(n_exp)]).cuda()
+    experts = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
+    out = torch.full((3 * (n_dim // 128) * 128,), -1, dtype=torch.int32, device="cuda")
+    fn, _ = compile_decode(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
+                           arch="sm_%d%da" % torch.cuda.get_device_capability())
+
+    def P(t, dt):
+        return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+
+    fn(P(codes, cutlass.Int16), P(experts, cutlass.Int32), P(out, cutlass.Uint32),
+       cutlass.Int32(3), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    torch.cuda.synchronize()
+    want = reference_checksum(codes.cpu(), experts.cpu(), codebook)
+    assert torch.equal(out.cpu().to(torch.int64) & 0xFFFFFFFF, want)
+
+
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation", ["silu", "situ"])

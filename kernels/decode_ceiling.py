@@ -1,0 +1,127 @@
+"""Decode-only trellis kernel: the measured decode ceiling of the fused GEMM (benchmarks).
+
+Owns `TrellisDecode`. For every listed expert and 128-column N tile of one projection, a
+CTA streams the expert's trellis words through the same cp.async ring as `TrellisGemm`
+(`issue_b`) and decodes every weight with the same `decode_lane_tile` into the same half2
+B registers. Instead of feeding mma.sync it folds them with packed fp16 adds (FMA pipe)
+into 4 registers per lane and writes their XOR, so no decode is dead code. No A operand,
+no MMA, no output tile: its time is what the GEMM would take if decoding the touched
+experts once were all it did.
+
+Layouts (raw pointers): B trellis int16 [E, k_dim/16, n_dim/16, 16*bits]; experts int32
+[n_experts] (the experts to decode); out uint32 [n_experts * n_dim/128 * THREADS], one
+word per thread (the checksum `reference_checksum` recomputes on the host).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Uint32
+
+from . import ptx
+from .trellis_gemm import (DEFAULT_STAGES, K_STEPS_PER_STAGE, THREADS, TILE_N, TrellisGemm,
+                           lane_words)
+
+
+class TrellisDecode:
+    """One specialization of the decode-only kernel (see module docstring)."""
+
+    def __init__(self, *, k_dim: int, n_dim: int, bits: int, codebook: str,
+                 stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1):
+        reason = self.can_implement(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
+                                    stages=stages)
+        if reason is not None:
+            raise ValueError(reason)
+        # The GEMM of the same geometry owns the B ring layout and the decode.
+        self.gemm = TrellisGemm(block_m=8, k_dim=k_dim, n_dim=n_dim, bits=bits,
+                                codebook=codebook, topk=1, a_rows_per_token=False,
+                                stages=stages, min_ctas_per_sm=min_ctas_per_sm)
+        self.bits = bits
+        self.stages = stages
+        self.n_tiles = n_dim // TILE_N
+        self.k_stages = self.gemm.k_stages
+        self.min_ctas_per_sm = min_ctas_per_sm
+        self.smem_bytes = self.smem(bits, stages)
+
+    @staticmethod
+    def smem(bits: int, stages: int) -> int:
+        """Dynamic shared memory: `stages` x the N tile's trellis words of 4 k-tiles."""
+        return stages * (TILE_N // 16) * K_STEPS_PER_STAGE * 32 * bits
+
+    @staticmethod
+    def can_implement(*, k_dim: int, n_dim: int, bits: int, codebook: str,
+                      stages: int = DEFAULT_STAGES) -> str | None:
+        """None when the GEMM of this geometry can be built (same decode), else the reason."""
+        return TrellisGemm.can_implement(block_m=8, k_dim=k_dim, n_dim=n_dim, bits=bits,
+                                         codebook=codebook, stages=stages)
+
+    @cute.jit
+    def __call__(self, pB: cute.Pointer, pExperts: cute.Pointer, pOut: cute.Pointer,
+                 n_experts: Int32, stream):
+        self.kernel(pB, pExperts, pOut).launch(
+            grid=[n_experts * self.n_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
+            stream=stream, min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
+
+    @cute.kernel
+    def kernel(self, pB: cute.Pointer, pExperts: cute.Pointer, pOut: cute.Pointer):
+        mExperts = ptx.flat_tensor(pExperts)
+        mOut = ptx.flat_tensor(pOut)
+        smem = cutlass.memory.SmemAllocator()
+        sB = smem.allocate_tensor(Uint32, cute.make_layout(self.stages * self.gemm.b_stage_words), 128)
+        b_saddr = sB.iterator.toint()
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        widx, q0 = lane_words(tidx % 32, self.bits)
+        expert = mExperts[bidx // self.n_tiles]
+        nt = bidx % self.n_tiles
+        b_gbase = pB.toint() + self.gemm.b_tile_base(expert, nt)
+        rSum = cute.make_rmem_tensor((4,), Uint32)
+        rSum.fill(0)
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if s < self.k_stages:
+                self.gemm.issue_b(s, s, b_gbase, b_saddr, tidx)
+            cute.arch.cp_async_commit_group()
+        for ks in range(self.k_stages):
+            cute.arch.cp_async_wait_group(self.stages - 2)
+            cute.arch.sync_threads()
+            nxt = ks + self.stages - 1
+            if nxt < self.k_stages:
+                self.gemm.issue_b(nxt, nxt % self.stages, b_gbase, b_saddr, tidx)
+            cute.arch.cp_async_commit_group()
+            buf = ks % self.stages
+            for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
+                for jj in cutlass.range_constexpr(2):
+                    halves = self.gemm.decode_stage(sB, buf, kk, warp, widx, q0, jj)
+                    for pair in cutlass.range_constexpr(4):
+                        rSum[pair] = ptx.hadd2(rSum[pair], halves[pair])
+        cute.arch.cp_async_wait_group(0)
+        mOut[bidx * THREADS + tidx] = (rSum[0] ^ rSum[1]) ^ (rSum[2] ^ rSum[3])
+
+
+def reference_checksum(trellis, experts, codebook: str):
+    """Host recomputation of the kernel's output words (torch, any device).
+
+    `trellis` int16 [E, k/16, n/16, 16*bits], `experts` int64/int32 [X]. Per thread (warp
+    w, lane L) of CTA (expert x, N tile nt), pair p accumulates the fp16 pair (weights
+    8L+2p, 8L+2p+1) of tile (kt, 8*nt + 2w + jj) over kt, then jj, with one RNE rounding per
+    add (exact in fp64, then rounded once); the word is the XOR of the 4 pair sums.
+    Returns int64 [X * n/128 * 128] holding the uint32 words in the kernel's order."""
+    import torch
+
+    from kquant_cute import trellis as fmt
+
+    codes = trellis[experts.long()]  # [X, KT, NT16, 16K]
+    x, kt, nt16 = codes.shape[:3]
+    lut = fmt.codebook_lut(codebook, codes.shape[-1] // 16, codes.device).half()
+    vals = lut[fmt.tile_states(codes.reshape(-1, codes.shape[-1]))].reshape(
+        x, kt, nt16 // 8, 4, 2, 32, 4, 2)  # [X, KT, nt, warp, jj, lane, pair, half]
+    acc = torch.zeros(x, nt16 // 8, 4, 32, 4, 2, dtype=torch.float16, device=codes.device)
+    for k in range(kt):
+        for jj in range(2):
+            acc = (acc.double() + vals[:, k, :, :, jj].double()).half()
+    bits16 = acc.view(torch.int16).to(torch.int64) & 0xFFFF
+    words = bits16[..., 0] | (bits16[..., 1] << 16)  # [X, nt, warp, lane, pair]
+    out = words[..., 0] ^ words[..., 1] ^ words[..., 2] ^ words[..., 3]
+    return out.reshape(-1)  # int64 holding the uint32 words
