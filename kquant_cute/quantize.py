@@ -8,7 +8,9 @@ This module owns the encoder side of the format defined in :mod:`kquant_cute.tre
 * :func:`quantize` -- a whole layer: random sign vectors, 128-point Hadamard rotation
   on both axes, a per-tensor scale search folded into ``svh``, then Viterbi per tile;
 * :func:`distortion_report` -- measured MSE on unit Gaussian data against the
-  distortion-rate bound D(R) = 2^(-2R) (``python -m kquant_cute.quantize``).
+  distortion-rate bound D(R) = 2^(-2R) (``python -m kquant_cute.quantize``);
+* :func:`steady_state_ratio` -- the trellis' own per-weight distortion on long sequences,
+  the lower bound for any tail-biting tile (``--steady-state``).
 
 Trellis model: weight t of a tile (in t order) reads the 16-bit state x_t; consecutive
 states shift in K new bits, ``x_t = ((x_{t-1} << K) | e_t) & 0xFFFF``, and the ring is
@@ -31,7 +33,8 @@ import torch
 
 from . import trellis as tc
 
-__all__ = ["viterbi_tiles", "quantize", "distortion_report", "DEFAULT_SCALE_FACTORS"]
+__all__ = ["viterbi_tiles", "quantize", "distortion_report", "steady_state_ratio",
+           "DEFAULT_SCALE_FACTORS"]
 
 #: Multipliers tried around the RMS-matched scale by :func:`quantize`'s scale search
 #: (measured optimum on Gaussian data: ~1.0 at K=2 rising to ~1.2 at K=6 for mcg).
@@ -335,6 +338,25 @@ def distortion_report(
     return rows
 
 
+def steady_state_ratio(bits: int, codebook: str, *, length: int = 2048, sequences: int = 8,
+                       factors: tuple[float, ...] = (1.0, 1.05, 1.1, 1.15, 1.2),
+                       seed: int = 1) -> float:
+    """The trellis' own per-weight distortion / D(R): an unconstrained Viterbi over long
+    unit-Gaussian sequences, MSE counted on the middle half only (no start or end effect),
+    best of `factors` x the RMS-matched scale. A tail-biting tile has no ends, so no
+    decodable code of this format can do better than this (up to sampling noise)."""
+    lut = tc.codebook_lut(codebook, bits)
+    lut = lut / lut.square().mean().sqrt()
+    y = torch.randn(sequences, length, generator=torch.Generator().manual_seed(seed))
+    y = y / y.square().mean().sqrt()
+    best = float("inf")
+    for f in factors:
+        states = _viterbi_pass(y / f, lut, bits, None)
+        err = (lut[states] * f - y).square()[:, length // 4: 3 * length // 4]
+        best = min(best, float(err.mean()) / 2.0 ** (-2 * bits))
+    return best
+
+
 def _main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=distortion_report.__doc__)
     parser.add_argument("--codebook", default="mcg", choices=tc.CODEBOOKS)
@@ -342,9 +364,16 @@ def _main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--tiles", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--steady-state", action="store_true",
+                        help="print the trellis' steady-state ratio (steady_state_ratio) instead")
     args = parser.parse_args(argv)
     lo, hi = tc.BITS_RANGE[args.codebook]
     bits = tuple(args.bits) if args.bits else tuple(range(lo, hi + 1))
+    if args.steady_state:
+        for k in bits:
+            print(f"{args.codebook} K={k}: steady-state MSE / D(R) = "
+                  f"{steady_state_ratio(k, args.codebook):.3f}", flush=True)
+        return
     distortion_report(bits, args.codebook, tiles=args.tiles, seed=args.seed,
                       device=args.device)
 

@@ -163,3 +163,11 @@ def test_viterbi_cuda_matches_cpu():
     gpu = qz.viterbi_tiles(target.cuda(), 3, "mcg").cpu()
     cost = lambda s: float((_decoded(s, 3, "mcg") - target).square().sum())  # noqa: E731
     assert cost(gpu) == pytest.approx(cost(cpu), rel=1e-4)
+
+
+def test_steady_state_ratio_is_above_the_distortion_rate_bound():
+    # The long-sequence (end-free) distortion of the L=16 trellis sits just above D(R):
+    # ~1.10 at K=2 for mcg (docs/quantizer.md); below 1 would break the rate-distortion
+    # theorem, far above would mean the search or the lookup table is wrong.
+    ratio = qz.steady_state_ratio(2, "mcg", length=512, sequences=2, factors=(1.0,))
+    assert 1.0 < ratio < 1.2
