@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import torch
+
+from peers import capture, graph_median_ms
 
 
 def balanced_ids(m, topk, num_experts, gen):
@@ -34,26 +35,15 @@ def time_layer(layer, m, sets=4, iters=50, warmup=5):
         w = torch.rand(m, topk, generator=gen, device="cuda")
         inputs.append((x, ids, (w / w.sum(1, keepdim=True)).float().contiguous()))
     graphs = []
+    block_m = None
     for x, ids, w in inputs:
         bound = layer.bind(x, ids, w)
-        bound.run()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            bound.run()
-        graphs.append((g, bound.block_m))
+        graphs.append(capture(bound.run))
+        block_m = bound.block_m
     for i in range(warmup):
-        graphs[i % sets][0].replay()
+        graphs[i % sets].replay()
     torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graphs[i % sets][0].replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times), graphs[0][1]
+    return graph_median_ms(graphs, iters), block_m
 
 
 def peer_and_floors(peer, wts, m, bits, ceilings, decode=None, iters=30):
@@ -64,24 +54,12 @@ def peer_and_floors(peer, wts, m, bits, ceilings, decode=None, iters=30):
     x = torch.randn(m, H, generator=gen, device="cuda").to(torch.bfloat16)
     ids = balanced_ids(m, 16, E, gen)
     w = torch.full((m, 16), 1 / 16, device="cuda")
-    peer(x, ids, w)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        peer(x, ids, w)
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
+    peer_ms = graph_median_ms([capture(lambda: peer(x, ids, w))], iters)
     touched = int(torch.unique(ids).numel())
     extra = {"decode_floor": decode.time(ids, iters)} if decode is not None else {}
     hbm_bytes = touched * 3 * H * I * bits / 8 + m * H * (2 + 4)
     flops = 2 * m * 16 * 3 * H * I
-    return {"peer": statistics.median(times), "touched_experts": touched,
+    return {"peer": peer_ms, "touched_experts": touched,
             "hbm_floor": hbm_bytes / ceilings["copy_Bps"] * 1e3,
             "mma_floor": flops / (0.75 * ceilings["bf16_flops"]) * 1e3, **extra}
 

@@ -123,18 +123,29 @@ class DecodeCeiling:
                                 P(self.out, cutlass.Uint32), cutlass.Int32(experts.numel()),
                                 stream)
 
-        run()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
-        times = []
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            g.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        times.sort()
-        return times[len(times) // 2]
+        return graph_median_ms([capture(run)], iters)
+
+
+def capture(fn) -> "torch.cuda.CUDAGraph":
+    """Run `fn` once eagerly, then capture it into a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def graph_median_ms(graphs, iters: int) -> float:
+    """Median ms of `iters` single replays, cycling through `graphs` (one event pair each)."""
+    import statistics
+
+    times = []
+    for i in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graphs[i % len(graphs)].replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
