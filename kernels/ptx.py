@@ -106,11 +106,24 @@ def hadd2(a, b, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def st_global_v2_f32(gmem_addr, a, b, *, loc=None, ip=None):
-    """One 8-byte store of two fp32 values to an 8-byte aligned global address."""
+def st_shared_v2_f32(smem_addr, a, b, *, loc=None, ip=None):
+    """One 8-byte shared-memory store of two fp32 values."""
     llvm.inline_asm(
-        None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip), _f32(a, loc, ip), _f32(b, loc, ip)],
-        "st.global.v2.f32 [$0], {$1, $2};", "l,f,f", has_side_effects=True, loc=loc, ip=ip,
+        None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), _f32(a, loc, ip), _f32(b, loc, ip)],
+        "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f", has_side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def copy_shared_to_global_16(gmem_addr, smem_addr, *, loc=None, ip=None):
+    """16 bytes from shared to global memory through registers (ld.shared.v4 +
+    st.global.v4), both addresses 16-byte aligned."""
+    llvm.inline_asm(
+        None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 a, b, c, d;\n\t"
+        "ld.shared.v4.b32 {a, b, c, d}, [$1];\n\t"
+        "st.global.v4.b32 [$0], {a, b, c, d};\n\t}",
+        "l,r", has_side_effects=True, loc=loc, ip=ip,
     )
 
 
@@ -166,6 +179,7 @@ def shfl_xor_f32(x, offset: int, *, loc=None, ip=None):
 
 
 __all__ = [
-    "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "hadd2", "st_global_v2_f32", "funnel_hi", "prmt_u32",
+    "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "hadd2", "st_shared_v2_f32",
+    "copy_shared_to_global_16", "funnel_hi", "prmt_u32",
     "cp_async_16", "ldmatrix_x4", "shfl_xor_f32", "flat_tensor", "local_expert",
 ]

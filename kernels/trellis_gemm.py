@@ -40,12 +40,21 @@ MAX_CTAS_PER_SM = 8  # occupancy target cap (64 regs/thread at 8 x 128 threads)
 SMEM_RESERVED_PER_CTA = 1024  # the driver's per-CTA shared-memory reservation
 
 
-def smem_bytes(block_m: int, bits: int, stages: int) -> int:
-    """Dynamic shared memory of one CTA: `stages` x (A rows + the 8 trellis tile columns)."""
+OUT_ROW_FLOATS = TILE_N + 8  # padded fp32 row of the epilogue tile: 2 wavefronts per v2 store
+
+
+def a_smem_halves(block_m: int, stages: int) -> int:
+    """fp16 elements of the A region: the A ring, which the epilogue reuses for the
+    [m_pad, OUT_ROW_FLOATS] fp32 output tile (whichever is larger)."""
     m_pad = (block_m + 15) // 16 * 16
-    a_stage = m_pad * A_ROW_HALVES * 2
+    return max(stages * m_pad * A_ROW_HALVES, m_pad * OUT_ROW_FLOATS * 2)
+
+
+def smem_bytes(block_m: int, bits: int, stages: int) -> int:
+    """Dynamic shared memory of one CTA: the A region (ring / output tile) + `stages` x the
+    8 trellis tile columns of 4 k-tiles."""
     b_stage = (TILE_N // 16) * K_STEPS_PER_STAGE * 32 * bits
-    return stages * (a_stage + b_stage)
+    return a_smem_halves(block_m, stages) * 2 + stages * b_stage
 
 
 def decode_pair(s0, s1, codebook: str):
@@ -192,7 +201,6 @@ class TrellisGemm:
         self.n_tiles16 = n_dim // fmt.TILE
         self.n_tiles = n_dim // TILE_N
         self.tile_words = 8 * bits  # uint32 words per 16x16 trellis tile
-        self.a_stage_halves = self.m_pad * A_ROW_HALVES
         self.b_stage_words = (TILE_N // 16) * K_STEPS_PER_STAGE * self.tile_words
         self.a_chunks = block_m * (K_STEPS_PER_STAGE * 16 * 2 // 16)  # 16-byte copies per stage
         self.b_chunks = K_STEPS_PER_STAGE * (TILE_N // 16) * self.tile_words * 4 // 16
@@ -269,18 +277,29 @@ class TrellisGemm:
         return Int64(expert * (self.k_tiles * self.n_tiles16) + nt * (TILE_N // 16)) * (self.tile_words * 4)
 
     @cute.jit
-    def store_tile(self, out_addr, acc, rRoute, nt, warp, c, n_routes):
-        """Write this lane's accumulators of N tile `nt` to the rows of real routes (one
-        8-byte store per column pair)."""
-        col_base = nt * TILE_N + warp * 32 + 2 * c
+    def store_tile(self, out_addr, s_addr, acc, mSorted, blk, nt, warp, lane, n_routes):
+        """Epilogue: the accumulators go to shared memory as an fp32 [m_pad, 128] tile, then
+        each warp writes whole rows (512 contiguous bytes, 16 per lane) of real routes.
+        Writing fragments straight to the scattered route rows cost 8 cache lines per
+        store instruction and backed up the memory pipeline (FC2: 3,584 columns per route)."""
+        g = lane // 4
+        c = lane % 4
         for mt in cutlass.range_constexpr(self.m_tiles):
             for hf in cutlass.range_constexpr(2):
-                r = rRoute[2 * mt + hf]
+                row = mt * 16 + hf * 8 + g
+                for nn in cutlass.range_constexpr(4):
+                    col = warp * 32 + nn * 8 + 2 * c
+                    ptx.st_shared_v2_f32(s_addr + (row * OUT_ROW_FLOATS + col) * 4,
+                                         acc[mt, nn, 2 * hf], acc[mt, nn, 2 * hf + 1])
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr((self.block_m + NUM_WARPS - 1) // NUM_WARPS):
+            row = warp + NUM_WARPS * i
+            if row < self.block_m:
+                r = mSorted[blk * self.block_m + row]
                 if r < n_routes:
-                    row_addr = out_addr + (Int64(r) * self.n_dim + col_base) * 4
-                    for nn in cutlass.range_constexpr(4):
-                        ptx.st_global_v2_f32(row_addr + nn * 32, acc[mt, nn, 2 * hf],
-                                             acc[mt, nn, 2 * hf + 1])
+                    ptx.copy_shared_to_global_16(
+                        out_addr + (Int64(r) * self.n_dim + nt * TILE_N + lane * 4) * 4,
+                        s_addr + (row * OUT_ROW_FLOATS + lane * 4) * 4)
 
     def decode_stage(self, sB, buf, kk, warp, widx, q0, jj):
         """This lane's 4 half2 B registers of tile (k step kk, 16-column tile 2*warp + jj)."""
@@ -299,7 +318,7 @@ class TrellisGemm:
         b_gaddr = pB.toint()
 
         smem = cutlass.memory.SmemAllocator()
-        sA = smem.allocate_tensor(cutlass.Float16, cute.make_layout(self.stages * self.a_stage_halves), 128)
+        sA = smem.allocate_tensor(cutlass.Float16, cute.make_layout(a_smem_halves(self.block_m, self.stages)), 128)
         sB = smem.allocate_tensor(Uint32, cute.make_layout(self.stages * self.b_stage_words), 128)
         a_saddr = sA.iterator.toint()
         b_saddr = sB.iterator.toint()
@@ -308,8 +327,6 @@ class TrellisGemm:
         bidx, _, _ = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
-        g = lane // 4
-        c = lane % 4
 
         # Lane-constant part of the trellis bit window: weights 8*lane .. 8*lane+7.
         widx, q0 = lane_words(lane, self.bits)
@@ -319,7 +336,6 @@ class TrellisGemm:
 
         num_blocks = mNumPadded[0] // self.block_m
         total = num_blocks * self.n_tiles
-        rRoute = cute.make_rmem_tensor((2 * self.m_tiles,), Int32)
         rAsrc = cute.make_rmem_tensor((self.a_iters,), Int32)
         acc = cute.make_rmem_tensor((self.m_tiles, 4, 4), Float32)
         work = bidx
@@ -336,13 +352,6 @@ class TrellisGemm:
                     if self.a_rows_per_token:
                         a_row = r // self.topk
                     rAsrc[i] = Int32(cutlass.select_(r < n_routes, a_row, zero_row))
-                # Route ids of this lane's accumulator rows (for the stores).
-                for h in cutlass.range_constexpr(2 * self.m_tiles):
-                    row_in_block = (h // 2) * 16 + (h % 2) * 8
-                    if row_in_block < self.block_m:
-                        rRoute[h] = mSorted[blk * self.block_m + row_in_block + g]
-                    else:
-                        rRoute[h] = n_routes
                 acc.fill(0.0)
                 b_gbase = b_gaddr + self.b_tile_base(expert, nt)
                 for s in cutlass.range_constexpr(self.stages - 1):
@@ -381,4 +390,4 @@ class TrellisGemm:
                                 acc[mt, nn, 3] = d3
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.sync_threads()  # the next work item refills every buffer
-                self.store_tile(pOut.toint(), acc, rRoute, nt, warp, c, n_routes)
+                self.store_tile(pOut.toint(), a_saddr, acc, mSorted, blk, nt, warp, lane, n_routes)
