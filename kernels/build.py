@@ -175,11 +175,12 @@ class LoadedForward:
 
 
 def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: str = "sm_90a",
-                   stages: int | None = None, min_ctas_per_sm: int = 1):
+                   stages: int | None = None, min_ctas_per_sm: int = 1,
+                   cubin_dir: str | None = None):
     """Cross-compile the decode-only kernel (`kernels.decode_ceiling`) for one projection
     shape; returns (the JIT-compiled callable, its measured resources). The callable takes
     (trellis, experts, out) pointers, the expert count and a stream; it runs only where
-    `arch` matches the GPU."""
+    `arch` matches the GPU. `cubin_dir` keeps the cubin there (for SASS reading)."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -194,6 +195,7 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
     args = [make_ptr(dt, 256, cute.AddressSpace.gmem, assumed_align=16)
             for dt in (cutlass.Int16, cutlass.Int32, cutlass.Uint32)]
     with tempfile.TemporaryDirectory(prefix="kq_cubin_") as tmp:
+        tmp = cubin_dir or tmp
         compiled = cute.compile(probe, *args, cutlass.Int32(1), cuda.CUstream(0),
                                 options=f"--gpu-arch {arch} --keep-cubin --dump-dir {tmp}")
         cubins = glob.glob(os.path.join(tmp, "*.cubin"))
