@@ -55,8 +55,9 @@ def peer_and_floors(peer, wts, m, bits, ceilings, decode=None, iters=30):
     ids = balanced_ids(m, 16, E, gen)
     w = torch.full((m, 16), 1 / 16, device="cuda")
     peer_ms = graph_median_ms([capture(lambda: peer(x, ids, w))], iters)
-    touched = int(torch.unique(ids).numel())
-    extra = {"decode_floor": decode.time(ids, iters)} if decode is not None else {}
+    experts = torch.unique(ids)
+    touched = experts.numel()
+    extra = {"decode_floor": decode.time(experts, iters)} if decode is not None else {}
     hbm_bytes = touched * 3 * H * I * bits / 8 + m * H * (2 + 4)
     flops = 2 * m * 16 * 3 * H * I
     return {"peer": peer_ms, "touched_experts": touched,

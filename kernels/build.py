@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from .moe import ARG_NAMES, MoEForward, MoESpec, dsl_dtype
+from .trellis_gemm import DEFAULT_STAGES
 
 OBJECT_PREFIX = "kq_forward"
 _RES_RE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
@@ -132,24 +133,32 @@ def _load_runtime_globally() -> None:
     _RUNTIME_LOADED = True
 
 
-def compile_forward(spec: MoESpec) -> tuple[bytes, dict]:
-    """Cross-compile `spec` for `spec.arch`; returns (object bytes, metadata with resources)."""
+def _compile_measured(fn, args, arch: str, dynamic_smem: dict, cubin_dir: str | None = None):
+    """`cute.compile(fn, *args)` for `arch`, keeping the cubin (in `cubin_dir`, else a
+    temporary directory) long enough to read its resources; returns (compiled, resources,
+    compile seconds). Resources are empty when cuobjdump is missing."""
     import cutlass.cute as cute
 
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kq_cubin_") as tmp:
+        out = cubin_dir or tmp
+        compiled = cute.compile(fn, *args, options=f"--gpu-arch {arch} --keep-cubin --dump-dir {out}")
+        seconds = time.perf_counter() - t0
+        cubins = glob.glob(os.path.join(out, "*.cubin"))
+        resources = (read_resources(cubins[0], dynamic_smem)
+                     if cubins and find_cuobjdump() else [])
+    return compiled, resources, seconds
+
+
+def compile_forward(spec: MoESpec) -> tuple[bytes, dict]:
+    """Cross-compile `spec` for `spec.arch`; returns (object bytes, metadata with resources)."""
     reason = spec.check()
     if reason is not None:
         raise ValueError(f"cannot compile {spec.kernel_name()}: {reason}")
     _load_runtime_globally()
-    fwd = MoEForward(spec)
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kq_cubin_") as tmp:
-        compiled = cute.compile(fwd, *fake_args(spec),
-                                options=f"--gpu-arch {spec.arch} --keep-cubin --dump-dir {tmp}")
-        seconds = time.perf_counter() - t0
-        cubins = glob.glob(os.path.join(tmp, "*.cubin"))
-        resources = (read_resources(cubins[0], spec.dynamic_smem())
-                     if cubins and find_cuobjdump() else [])
-        obj = compiled.dump_to_object(OBJECT_PREFIX)
+    compiled, resources, seconds = _compile_measured(MoEForward(spec), fake_args(spec), spec.arch,
+                                                     spec.dynamic_smem())
+    obj = compiled.dump_to_object(OBJECT_PREFIX)
     meta = {"compile_seconds": round(seconds, 3), **resource_summary(resources),
             "resources_measured": bool(resources)}
     return obj, meta
@@ -175,7 +184,7 @@ class LoadedForward:
 
 
 def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: str = "sm_90a",
-                   stages: int | None = None, min_ctas_per_sm: int = 1,
+                   stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1,
                    cubin_dir: str | None = None):
     """Cross-compile the decode-only kernel (`kernels.decode_ceiling`) for one projection
     shape; returns (the JIT-compiled callable, its measured resources). The callable takes
@@ -187,18 +196,12 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
     from cutlass.cute.runtime import make_ptr
 
     from .decode_ceiling import TrellisDecode
-    from .trellis_gemm import DEFAULT_STAGES
 
-    stages = DEFAULT_STAGES if stages is None else stages
     probe = TrellisDecode(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                           stages=stages, min_ctas_per_sm=min_ctas_per_sm)
     args = [make_ptr(dt, 256, cute.AddressSpace.gmem, assumed_align=16)
             for dt in (cutlass.Int16, cutlass.Int32, cutlass.Uint32)]
-    with tempfile.TemporaryDirectory(prefix="kq_cubin_") as tmp:
-        tmp = cubin_dir or tmp
-        compiled = cute.compile(probe, *args, cutlass.Int32(1), cuda.CUstream(0),
-                                options=f"--gpu-arch {arch} --keep-cubin --dump-dir {tmp}")
-        cubins = glob.glob(os.path.join(tmp, "*.cubin"))
-        resources = (read_resources(cubins[0], {"TrellisDecode": probe.smem_bytes})
-                     if cubins and find_cuobjdump() else [])
+    compiled, resources, _ = _compile_measured(
+        probe, [*args, cutlass.Int32(1), cuda.CUstream(0)], arch,
+        {"TrellisDecode": probe.smem_bytes}, cubin_dir)
     return compiled, resources

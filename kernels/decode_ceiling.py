@@ -20,8 +20,8 @@ import cutlass.cute as cute
 from cutlass import Int32, Uint32
 
 from . import ptx
-from .trellis_gemm import (DEFAULT_STAGES, K_STEPS_PER_STAGE, THREADS, TILE_N, TrellisGemm,
-                           lane_words)
+from .trellis_gemm import (DEFAULT_STAGES, K_STEPS_PER_STAGE, THREADS, TrellisGemm,
+                           b_stage_bytes, lane_words)
 
 
 class TrellisDecode:
@@ -33,21 +33,17 @@ class TrellisDecode:
                                     stages=stages)
         if reason is not None:
             raise ValueError(reason)
-        # The GEMM of the same geometry owns the B ring layout and the decode.
+        # The GEMM of the same geometry owns the B ring layout, the decode and the sizes
+        # (bits, stages, k_stages, n_tiles, min_ctas_per_sm) this kernel reads from it.
         self.gemm = TrellisGemm(block_m=8, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                 codebook=codebook, topk=1, a_rows_per_token=False,
                                 stages=stages, min_ctas_per_sm=min_ctas_per_sm)
-        self.bits = bits
-        self.stages = stages
-        self.n_tiles = n_dim // TILE_N
-        self.k_stages = self.gemm.k_stages
-        self.min_ctas_per_sm = min_ctas_per_sm
         self.smem_bytes = self.smem(bits, stages)
 
     @staticmethod
     def smem(bits: int, stages: int) -> int:
-        """Dynamic shared memory: `stages` x the N tile's trellis words of 4 k-tiles."""
-        return stages * (TILE_N // 16) * K_STEPS_PER_STAGE * 32 * bits
+        """Dynamic shared memory: the GEMM's B ring alone."""
+        return stages * b_stage_bytes(bits)
 
     @staticmethod
     def can_implement(*, k_dim: int, n_dim: int, bits: int, codebook: str,
@@ -60,37 +56,38 @@ class TrellisDecode:
     def __call__(self, pB: cute.Pointer, pExperts: cute.Pointer, pOut: cute.Pointer,
                  n_experts: Int32, stream):
         self.kernel(pB, pExperts, pOut).launch(
-            grid=[n_experts * self.n_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
-            stream=stream, min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
+            grid=[n_experts * self.gemm.n_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
+            stream=stream, min_blocks_per_mp=self.gemm.min_ctas_per_sm, preferred_smem_carveout=100)
 
     @cute.kernel
     def kernel(self, pB: cute.Pointer, pExperts: cute.Pointer, pOut: cute.Pointer):
         mExperts = ptx.flat_tensor(pExperts)
         mOut = ptx.flat_tensor(pOut)
         smem = cutlass.memory.SmemAllocator()
-        sB = smem.allocate_tensor(Uint32, cute.make_layout(self.stages * self.gemm.b_stage_words), 128)
+        sB = smem.allocate_tensor(Uint32, cute.make_layout(self.gemm.stages * self.gemm.b_stage_words), 128)
         b_saddr = sB.iterator.toint()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = tidx // 32
-        widx, q0 = lane_words(tidx % 32, self.bits)
-        expert = mExperts[bidx // self.n_tiles]
-        nt = bidx % self.n_tiles
+        widx, q0 = lane_words(tidx % 32, self.gemm.bits)
+        expert = mExperts[bidx // self.gemm.n_tiles]
+        nt = bidx % self.gemm.n_tiles
         b_gbase = pB.toint() + self.gemm.b_tile_base(expert, nt)
         rSum = cute.make_rmem_tensor((4,), Uint32)
         rSum.fill(0)
-        for s in cutlass.range_constexpr(self.stages - 1):
-            if s < self.k_stages:
+        # The GEMM's ring with B only (TrellisGemm.kernel issues A in the same slots).
+        for s in cutlass.range_constexpr(self.gemm.stages - 1):
+            if s < self.gemm.k_stages:
                 self.gemm.issue_b(s, s, b_gbase, b_saddr, tidx)
             cute.arch.cp_async_commit_group()
-        for ks in range(self.k_stages):
-            cute.arch.cp_async_wait_group(self.stages - 2)
+        for ks in range(self.gemm.k_stages):
+            cute.arch.cp_async_wait_group(self.gemm.stages - 2)
             cute.arch.sync_threads()
-            nxt = ks + self.stages - 1
-            if nxt < self.k_stages:
-                self.gemm.issue_b(nxt, nxt % self.stages, b_gbase, b_saddr, tidx)
+            nxt = ks + self.gemm.stages - 1
+            if nxt < self.gemm.k_stages:
+                self.gemm.issue_b(nxt, nxt % self.gemm.stages, b_gbase, b_saddr, tidx)
             cute.arch.cp_async_commit_group()
-            buf = ks % self.stages
+            buf = ks % self.gemm.stages
             for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
                 for jj in cutlass.range_constexpr(2):
                     halves = self.gemm.decode_stage(sB, buf, kk, warp, widx, q0, jj)

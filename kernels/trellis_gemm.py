@@ -19,6 +19,8 @@ Layouts (row-major, raw pointers; sizes that are run-time are Int32 arguments):
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
@@ -50,11 +52,14 @@ def a_smem_halves(block_m: int, stages: int) -> int:
     return max(stages * m_pad * A_ROW_HALVES, m_pad * OUT_ROW_FLOATS * 2)
 
 
+def b_stage_bytes(bits: int) -> int:
+    """Trellis words of one pipeline stage: the N tile's 8 tile columns x 4 k-tiles."""
+    return (TILE_N // 16) * K_STEPS_PER_STAGE * 32 * bits
+
+
 def smem_bytes(block_m: int, bits: int, stages: int) -> int:
-    """Dynamic shared memory of one CTA: the A region (ring / output tile) + `stages` x the
-    8 trellis tile columns of 4 k-tiles."""
-    b_stage = (TILE_N // 16) * K_STEPS_PER_STAGE * 32 * bits
-    return a_smem_halves(block_m, stages) * 2 + stages * b_stage
+    """Dynamic shared memory of one CTA: the A region (ring / output tile) + the B ring."""
+    return a_smem_halves(block_m, stages) * 2 + stages * b_stage_bytes(bits)
 
 
 def decode_pair(s0, s1, codebook: str):
@@ -74,6 +79,7 @@ def decode_pair(s0, s1, codebook: str):
     raise ValueError(f"codebook {codebook!r} has no mma decode path (supported: {MMA_CODEBOOKS})")
 
 
+@functools.lru_cache(maxsize=None)
 def lane_window(bits: int) -> tuple[int | None, int]:
     """Where a lane's 8 states start in its 32-bit words: (compile-time bit offset q0 or
     None, words to load). Lane L's first state starts at stream bit p0 = (8L+1)K - 16 (mod
@@ -85,7 +91,8 @@ def lane_window(bits: int) -> tuple[int | None, int]:
     return None, 3
 
 
-def state_windows(bits: int) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=None)
+def state_windows(bits: int) -> tuple[tuple[int, int], ...]:
     """For each of a lane's 8 states, the (window shift d, offset r inside that 32-bit
     window) to extract it from. Offsets are counted MSB-first in the 64-bit view (hi:lo)
     of the lane's words; windows 0 (hi) and 32 (lo) exist anyway, each other window costs
@@ -120,7 +127,7 @@ def state_windows(bits: int) -> list[tuple[int, int]]:
         good = [d for d in sorted(chosen) if 0 <= o - d <= 16 and (o - d) in cheap]
         d = good[0] if good else o - fits[-1]
         plan.append((d, o - d))
-    return plan
+    return tuple(plan)
 
 
 def decode_lane_tile(words, q0, bits: int, codebook: str) -> list:
@@ -201,7 +208,7 @@ class TrellisGemm:
         self.n_tiles16 = n_dim // fmt.TILE
         self.n_tiles = n_dim // TILE_N
         self.tile_words = 8 * bits  # uint32 words per 16x16 trellis tile
-        self.b_stage_words = (TILE_N // 16) * K_STEPS_PER_STAGE * self.tile_words
+        self.b_stage_words = b_stage_bytes(bits) // 4
         self.a_chunks = block_m * (K_STEPS_PER_STAGE * 16 * 2 // 16)  # 16-byte copies per stage
         self.b_chunks = K_STEPS_PER_STAGE * (TILE_N // 16) * self.tile_words * 4 // 16
         self.a_iters = (self.a_chunks + THREADS - 1) // THREADS
