@@ -27,6 +27,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 1536])
     p.add_argument("--block-m", type=int, default=None)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--stages", type=int, default=None, help="pipeline stages")
+    p.add_argument("--occupancy", type=int, default=None, help="GEMM register target (CTAs/SM)")
     p.add_argument("--bare", action="store_true", help="run the forwards only (no torch.profiler)")
     a = p.parse_args(argv)
     wts = MoEWeights.random(896, 3584, 384, 4, "mcg", shared_hidden_vectors=True, seed=0, device="cuda")
@@ -34,7 +36,8 @@ def main(argv=None):
         env = {}
         if a.block_m:
             env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(a.block_m), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
-        layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env)
+        layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env,
+                         stages=a.stages, occupancy=a.occupancy)
         g = torch.Generator(device="cuda").manual_seed(m)
         x = torch.randn(m, 3584, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.rand(m, 896, generator=g, device="cuda").topk(16, dim=1).indices.to(torch.int32).contiguous()

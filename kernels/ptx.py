@@ -147,6 +147,18 @@ def cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def cp_async_16_zfill(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None):
+    """16-byte asynchronous copy that reads only `src_bytes` (0 or 16) from global memory and
+    zero-fills the rest: a padding row costs no memory traffic."""
+    llvm.inline_asm(
+        None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+               Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
+        has_side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
 def ldmatrix_x4(smem_addr, *, loc=None, ip=None):
     """Four 8x8 b16 matrices from shared memory (lane i addresses row i % 8 of matrix i // 8);
     returns this lane's four registers in matrix order."""
@@ -181,5 +193,5 @@ def shfl_xor_f32(x, offset: int, *, loc=None, ip=None):
 __all__ = [
     "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "hadd2", "st_shared_v2_f32",
     "copy_shared_to_global_16", "funnel_hi", "prmt_u32",
-    "cp_async_16", "ldmatrix_x4", "shfl_xor_f32", "flat_tensor", "local_expert",
+    "cp_async_16", "cp_async_16_zfill", "ldmatrix_x4", "shfl_xor_f32", "flat_tensor", "local_expert",
 ]

@@ -9,8 +9,11 @@ per-element reduction order over K is the same for every block size, so outputs 
 bitwise equal across block sizes.
 
 Layouts (row-major, raw pointers; sizes that are run-time are Int32 arguments):
-- A: fp16 [rows, k_dim]; row(r) = r // topk when `a_rows_per_token` else r. Row
-  `zero_row` is never read for a padding slot: padding rows are masked to zero instead.
+- A: fp16 [rows, k_dim]; row(r) = r // topk when `a_rows_per_token` else r. A padding
+  slot's copies read nothing (cp.async zero-fill); `zero_row` is only their nominal address.
+  (Reading a real zero row sent every padding copy of the GPU to the same few L2 lines:
+  FC2's 384-wide rows span 6 of them, and at 4,096 tokens and M=64, 43 % of its A copies
+  were padding.)
 - B: trellis int16 [E, k_dim/16, n_dim/16, 16*bits], read as uint32 words.
 - sorted_routes: int32 [slots] packed route ids (sentinel >= n_routes for padding);
   block_expert: int32 [blocks] (-1 = empty); num_padded: int32 [1] packed slot count.
@@ -42,14 +45,15 @@ MAX_CTAS_PER_SM = 8  # occupancy target cap (64 regs/thread at 8 x 128 threads)
 SMEM_RESERVED_PER_CTA = 1024  # the driver's per-CTA shared-memory reservation
 
 
-OUT_ROW_FLOATS = TILE_N + 8  # padded fp32 row of the epilogue tile: 2 wavefronts per v2 store
+STAGE_ROW_FLOATS = 32 + 8  # padded fp32 row of a warp's 16 x 32 epilogue chunk (conflict-free v2 stores)
+WARP_STAGE_FLOATS = 16 * STAGE_ROW_FLOATS
 
 
 def a_smem_halves(block_m: int, stages: int) -> int:
-    """fp16 elements of the A region: the A ring, which the epilogue reuses for the
-    [m_pad, OUT_ROW_FLOATS] fp32 output tile (whichever is larger)."""
+    """fp16 elements of the A region: the A ring ([stages, m_pad, A_ROW_HALVES]), which the
+    epilogue reuses for its per-warp staging chunks (whichever is larger)."""
     m_pad = (block_m + 15) // 16 * 16
-    return max(stages * m_pad * A_ROW_HALVES, m_pad * OUT_ROW_FLOATS * 2)
+    return max(stages * m_pad * A_ROW_HALVES, NUM_WARPS * WARP_STAGE_FLOATS * 2)
 
 
 def b_stage_bytes(bits: int) -> int:
@@ -58,7 +62,7 @@ def b_stage_bytes(bits: int) -> int:
 
 
 def smem_bytes(block_m: int, bits: int, stages: int) -> int:
-    """Dynamic shared memory of one CTA: the A region (ring / output tile) + the B ring."""
+    """Dynamic shared memory of one CTA: the A region (ring / epilogue staging) + the B ring."""
     return a_smem_halves(block_m, stages) * 2 + stages * b_stage_bytes(bits)
 
 
@@ -254,8 +258,8 @@ class TrellisGemm:
             grid=[max_blocks * self.n_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
             stream=stream, min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
 
-    def issue_a(self, ks, buf, a_gaddr, a_saddr, rAsrc, tidx):
-        """cp.async the A rows of pipeline stage `ks` into buffer `buf`."""
+    def issue_a(self, ks, buf, a_gaddr, a_saddr, rAsrc, rAbytes, tidx):
+        """cp.async the A rows of pipeline stage `ks` into buffer `buf` (padding rows: zeros)."""
         # Threads past the last chunk repeat an earlier chunk (same bytes, same place), so no
         # thread needs a branch.
         for i in range(self.a_iters):
@@ -264,7 +268,7 @@ class TrellisGemm:
             col = q % 8
             src = a_gaddr + (rAsrc[i] * self.k_dim + ks * (16 * K_STEPS_PER_STAGE) + col * 8) * 2
             dst = a_saddr + ((buf * self.m_pad + row) * A_ROW_HALVES + col * 8) * 2
-            ptx.cp_async_16(dst, src)
+            ptx.cp_async_16_zfill(dst, src, rAbytes[i])
 
     def issue_b(self, ks, buf, b_gbase, b_saddr, tidx):
         """cp.async the trellis words of pipeline stage `ks` (4 k-tiles x the N tile's 8
@@ -284,29 +288,58 @@ class TrellisGemm:
         return Int64(expert * (self.k_tiles * self.n_tiles16) + nt * (TILE_N // 16)) * (self.tile_words * 4)
 
     @cute.jit
-    def store_tile(self, out_addr, s_addr, acc, mSorted, blk, nt, warp, lane, n_routes):
-        """Epilogue: the accumulators go to shared memory as an fp32 [m_pad, 128] tile, then
-        each warp writes whole rows (512 contiguous bytes, 16 per lane) of real routes.
-        Writing fragments straight to the scattered route rows cost 8 cache lines per
-        store instruction and backed up the memory pipeline (FC2: 3,584 columns per route)."""
+    def store_tile(self, out_addr, s_addr, acc, rRoute0, rRoute1, nt, warp, lane, n_routes):
+        """Epilogue, per warp, 16 rows at a time: the warp's fp32 accumulators (its 32
+        columns) go through its own 16 x 32 chunk of the drained A ring, then each group of 8
+        lanes writes one route row's 128 contiguous bytes (16 per lane). Route ids come from
+        registers loaded before the main loop (lane l: rows l and 32 + l); reading them here
+        put one dependent L2 round trip before every row's store."""
         g = lane // 4
         c = lane % 4
+        w_addr = s_addr + warp * (WARP_STAGE_FLOATS * 4)
         for mt in cutlass.range_constexpr(self.m_tiles):
             for hf in cutlass.range_constexpr(2):
-                row = mt * 16 + hf * 8 + g
                 for nn in cutlass.range_constexpr(4):
-                    col = warp * 32 + nn * 8 + 2 * c
-                    ptx.st_shared_v2_f32(s_addr + (row * OUT_ROW_FLOATS + col) * 4,
+                    ptx.st_shared_v2_f32(w_addr + ((hf * 8 + g) * STAGE_ROW_FLOATS + nn * 8 + 2 * c) * 4,
                                          acc[mt, nn, 2 * hf], acc[mt, nn, 2 * hf + 1])
-        cute.arch.sync_threads()
-        for i in cutlass.range_constexpr((self.block_m + NUM_WARPS - 1) // NUM_WARPS):
-            row = warp + NUM_WARPS * i
-            if row < self.block_m:
-                r = mSorted[blk * self.block_m + row]
-                if r < n_routes:
-                    ptx.copy_shared_to_global_16(
-                        out_addr + (Int64(r) * self.n_dim + nt * TILE_N + lane * 4) * 4,
-                        s_addr + (row * OUT_ROW_FLOATS + lane * 4) * 4)
+            cute.arch.sync_warp()
+            for i in cutlass.range_constexpr(4):
+                row0 = mt * 16 + 4 * i  # rows row0 .. row0 + 3, one per 8 lanes
+                if cutlass.const_expr(row0 < self.block_m):
+                    local = 4 * i + lane // 8
+                    if cutlass.const_expr(row0 < 32):
+                        r = cute.arch.shuffle_sync(rRoute0, row0 + lane // 8)
+                    else:
+                        r = cute.arch.shuffle_sync(rRoute1, row0 - 32 + lane // 8)
+                    if r < n_routes:
+                        ptx.copy_shared_to_global_16(
+                            out_addr + (Int64(r) * self.n_dim + nt * TILE_N + warp * 32 + (lane % 8) * 4) * 4,
+                            w_addr + (local * STAGE_ROW_FLOATS + (lane % 8) * 4) * 4)
+            cute.arch.sync_warp()  # the chunk is rewritten by the next 16 rows
+
+    @cute.jit
+    def mma_stage(self, sB, buf, a_saddr, acc, warp, widx, q0, lm_row, lm_col):
+        """Decode this warp's B fragments of stage buffer `buf` and accumulate all M rows."""
+        for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
+            rBf = cute.make_rmem_tensor((2, 4), Uint32)
+            for jj in cutlass.range_constexpr(2):
+                halves = self.decode_stage(sB, buf, kk, warp, widx, q0, jj)
+                for pair in cutlass.range_constexpr(4):
+                    rBf[jj, pair] = halves[pair]
+            for mt in cutlass.range_constexpr(self.m_tiles):
+                a_addr = a_saddr + ((buf * self.m_pad + mt * 16 + lm_row) * A_ROW_HALVES
+                                    + kk * 16 + lm_col) * 2
+                a0, a1, a2, a3 = ptx.ldmatrix_x4(a_addr)
+                for nn in cutlass.range_constexpr(4):
+                    jj = nn // 2
+                    hh = nn % 2
+                    d0, d1, d2, d3 = ptx.mma_f16_m16n8k16(
+                        a0, a1, a2, a3, rBf[jj, 2 * hh], rBf[jj, 2 * hh + 1],
+                        acc[mt, nn, 0], acc[mt, nn, 1], acc[mt, nn, 2], acc[mt, nn, 3])
+                    acc[mt, nn, 0] = d0
+                    acc[mt, nn, 1] = d1
+                    acc[mt, nn, 2] = d2
+                    acc[mt, nn, 3] = d3
 
     def decode_stage(self, sB, buf, kk, warp, widx, q0, jj):
         """This lane's 4 half2 B registers of tile (k step kk, 16-column tile 2*warp + jj)."""
@@ -344,26 +377,34 @@ class TrellisGemm:
         num_blocks = mNumPadded[0] // self.block_m
         total = num_blocks * self.n_tiles
         rAsrc = cute.make_rmem_tensor((self.a_iters,), Int32)
+        rAbytes = cute.make_rmem_tensor((self.a_iters,), Int32)
         acc = cute.make_rmem_tensor((self.m_tiles, 4, 4), Float32)
         work = bidx
         if work < total:
             blk = work // self.n_tiles
             nt = work - blk * self.n_tiles
+            # Route ids are read before the expert so the loads overlap.
+            # Source rows of this thread's A copies (padding slots: zero-filled, nothing read).
+            for i in cutlass.range_constexpr(self.a_iters):
+                row = ((tidx + THREADS * i) % self.a_chunks) // 8
+                r = mSorted[blk * self.block_m + row]
+                a_row = r
+                if self.a_rows_per_token:
+                    a_row = r // self.topk
+                rAsrc[i] = Int32(cutlass.select_(r < n_routes, a_row, zero_row))
+                rAbytes[i] = Int32(cutlass.select_(r < n_routes, 16, 0))
+            # The epilogue's route ids: lane l holds rows l and 32 + l (clamped to the block).
+            rRoute0 = Int32(mSorted[blk * self.block_m + cutlass.min(lane, self.block_m - 1)])
+            rRoute1 = rRoute0
+            if cutlass.const_expr(self.block_m > 32):
+                rRoute1 = Int32(mSorted[blk * self.block_m + 32 + cutlass.min(lane, self.block_m - 33)])
             expert = mBlockExpert[blk]
             if expert >= 0:
-                # Source rows of this thread's A copies (padding slots read the zero row).
-                for i in cutlass.range_constexpr(self.a_iters):
-                    row = ((tidx + THREADS * i) % self.a_chunks) // 8
-                    r = mSorted[blk * self.block_m + row]
-                    a_row = r
-                    if self.a_rows_per_token:
-                        a_row = r // self.topk
-                    rAsrc[i] = Int32(cutlass.select_(r < n_routes, a_row, zero_row))
                 acc.fill(0.0)
                 b_gbase = b_gaddr + self.b_tile_base(expert, nt)
                 for s in cutlass.range_constexpr(self.stages - 1):
                     if s < self.k_stages:
-                        self.issue_a(s, s, a_gaddr, a_saddr, rAsrc, tidx)
+                        self.issue_a(s, s, a_gaddr, a_saddr, rAsrc, rAbytes, tidx)
                         self.issue_b(s, s, b_gbase, b_saddr, tidx)
                     cute.arch.cp_async_commit_group()
                 for ks in range(self.k_stages):
@@ -371,30 +412,10 @@ class TrellisGemm:
                     cute.arch.sync_threads()
                     nxt = ks + self.stages - 1
                     if nxt < self.k_stages:
-                        self.issue_a(nxt, nxt % self.stages, a_gaddr, a_saddr, rAsrc, tidx)
+                        self.issue_a(nxt, nxt % self.stages, a_gaddr, a_saddr, rAsrc, rAbytes, tidx)
                         self.issue_b(nxt, nxt % self.stages, b_gbase, b_saddr, tidx)
                     cute.arch.cp_async_commit_group()
-                    buf = ks % self.stages
-                    for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
-                        rBf = cute.make_rmem_tensor((2, 4), Uint32)
-                        for jj in cutlass.range_constexpr(2):
-                            halves = self.decode_stage(sB, buf, kk, warp, widx, q0, jj)
-                            for pair in cutlass.range_constexpr(4):
-                                rBf[jj, pair] = halves[pair]
-                        for mt in cutlass.range_constexpr(self.m_tiles):
-                            a_addr = a_saddr + ((buf * self.m_pad + mt * 16 + lm_row) * A_ROW_HALVES
-                                                + kk * 16 + lm_col) * 2
-                            a0, a1, a2, a3 = ptx.ldmatrix_x4(a_addr)
-                            for nn in cutlass.range_constexpr(4):
-                                jj = nn // 2
-                                hh = nn % 2
-                                d0, d1, d2, d3 = ptx.mma_f16_m16n8k16(
-                                    a0, a1, a2, a3, rBf[jj, 2 * hh], rBf[jj, 2 * hh + 1],
-                                    acc[mt, nn, 0], acc[mt, nn, 1], acc[mt, nn, 2], acc[mt, nn, 3])
-                                acc[mt, nn, 0] = d0
-                                acc[mt, nn, 1] = d1
-                                acc[mt, nn, 2] = d2
-                                acc[mt, nn, 3] = d3
+                    self.mma_stage(sB, ks % self.stages, a_saddr, acc, warp, widx, q0, lm_row, lm_col)
                 cute.arch.cp_async_wait_group(0)
-                cute.arch.sync_threads()  # the next work item refills every buffer
-                self.store_tile(pOut.toint(), a_saddr, acc, mSorted, blk, nt, warp, lane, n_routes)
+                cute.arch.sync_threads()  # every warp is done with the A ring it stages through
+                self.store_tile(pOut.toint(), a_saddr, acc, rRoute0, rRoute1, nt, warp, lane, n_routes)
