@@ -12,7 +12,7 @@ Layouts (row-major, raw pointers; sizes that are run-time are Int32 arguments):
 - A: fp16 [rows, k_dim]; row(r) = r // topk when `a_rows_per_token` else r. A padding
   slot's copies read nothing (cp.async zero-fill); `zero_row` is only their nominal address.
   (Reading a real zero row sent every padding copy of the GPU to the same few L2 lines:
-  FC2's 384-wide rows span 6 of them, and at 4,096 tokens and M=64, 43 % of its A copies
+  FC2's 384-wide rows span 6 of them, and at 4,096 tokens and M=64, ~38 % of its A copies
   were padding.)
 - B: trellis int16 [E, k_dim/16, n_dim/16, 16*bits], read as uint32 words.
 - sorted_routes: int32 [slots] packed route ids (sentinel >= n_routes for padding);
