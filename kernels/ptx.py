@@ -137,25 +137,17 @@ def funnel_hi(hi, lo, shift, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None):
-    """16-byte global -> shared asynchronous copy (L2 only: .cg)."""
-    llvm.inline_asm(
-        None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-        "cp.async.cg.shared.global [$0], [$1], 16;", "r,l",
-        has_side_effects=True, loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
-def cp_async_16_zfill(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None):
-    """16-byte asynchronous copy that reads only `src_bytes` (0 or 16) from global memory and
-    zero-fills the rest: a padding row costs no memory traffic."""
-    llvm.inline_asm(
-        None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
-               Int32(src_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
-        has_side_effects=True, loc=loc, ip=ip,
-    )
+def cp_async_16(smem_addr, gmem_addr, src_bytes=None, *, loc=None, ip=None):
+    """16-byte global -> shared asynchronous copy (L2 only: .cg). With `src_bytes` (0 or
+    16, run-time) it reads only that many bytes and zero-fills the rest: a padding row
+    costs no memory traffic."""
+    operands = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+    if src_bytes is None:
+        asm, constraints = "cp.async.cg.shared.global [$0], [$1], 16;", "r,l"
+    else:
+        operands.append(Int32(src_bytes).ir_value(loc=loc, ip=ip))
+        asm, constraints = "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r"
+    llvm.inline_asm(None, operands, asm, constraints, has_side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -193,5 +185,5 @@ def shfl_xor_f32(x, offset: int, *, loc=None, ip=None):
 __all__ = [
     "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "hadd2", "st_shared_v2_f32",
     "copy_shared_to_global_16", "funnel_hi", "prmt_u32",
-    "cp_async_16", "cp_async_16_zfill", "ldmatrix_x4", "shfl_xor_f32", "flat_tensor", "local_expert",
+    "cp_async_16", "ldmatrix_x4", "shfl_xor_f32", "flat_tensor", "local_expert",
 ]

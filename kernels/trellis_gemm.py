@@ -268,7 +268,7 @@ class TrellisGemm:
             col = q % 8
             src = a_gaddr + (rAsrc[i] * self.k_dim + ks * (16 * K_STEPS_PER_STAGE) + col * 8) * 2
             dst = a_saddr + ((buf * self.m_pad + row) * A_ROW_HALVES + col * 8) * 2
-            ptx.cp_async_16_zfill(dst, src, rAbytes[i])
+            ptx.cp_async_16(dst, src, rAbytes[i])
 
     def issue_b(self, ks, buf, b_gbase, b_saddr, tidx):
         """cp.async the trellis words of pipeline stage `ks` (4 k-tiles x the N tile's 8
