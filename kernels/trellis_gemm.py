@@ -4,7 +4,10 @@ Owns `TrellisGemm`: out[r, :] = A[row(r), :] @ W_hat[expert(r)] for every packed
 where W_hat is decoded from EXL3-style trellis codes (16x16 tiles, K bits per weight)
 straight into m16n8k16 B fragments in registers. Work item = (route block of `block_m`
 rows of one expert, 128-column N tile); each work item decodes the expert's weights for
-its N tile once and reuses them for all `block_m` rows. Accumulation is fp32 and the
+its N tile once and reuses them for the block's rows. Only the 16-row m tiles that hold
+real rows run their MMAs (the real rows are a prefix of the block; one main-loop copy per
+m-tile count, picked by a CTA-uniform ballot), so a padding-heavy block, typically an
+expert's last, costs MMAs for its real rows only. Accumulation is fp32 and the
 per-element reduction order over K is the same for every block size, so outputs are
 bitwise equal across block sizes.
 
@@ -318,15 +321,52 @@ class TrellisGemm:
             cute.arch.sync_warp()  # the chunk is rewritten by the next 16 rows
 
     @cute.jit
-    def mma_stage(self, sB, buf, a_saddr, acc, warp, widx, q0, lm_row, lm_col):
-        """Decode this warp's B fragments of stage buffer `buf` and accumulate all M rows."""
+    def dispatch(self, n_mt: cutlass.Constexpr, n_used, sB, a_gaddr, a_saddr, rAsrc, rAbytes,
+                 b_gbase, b_saddr, acc, tidx, warp, widx, q0, lm_row, lm_col):
+        """`main_loop` specialized for the run-time count `n_used` of m tiles with real rows
+        (one copy per count from `n_mt` up to all of them)."""
+        if cutlass.const_expr(n_mt == self.m_tiles):
+            self.main_loop(n_mt, sB, a_gaddr, a_saddr, rAsrc, rAbytes, b_gbase, b_saddr, acc,
+                           tidx, warp, widx, q0, lm_row, lm_col)
+        else:
+            if n_used <= n_mt:
+                self.main_loop(n_mt, sB, a_gaddr, a_saddr, rAsrc, rAbytes, b_gbase, b_saddr,
+                               acc, tidx, warp, widx, q0, lm_row, lm_col)
+            else:
+                self.dispatch(n_mt + 1, n_used, sB, a_gaddr, a_saddr, rAsrc, rAbytes, b_gbase,
+                              b_saddr, acc, tidx, warp, widx, q0, lm_row, lm_col)
+
+    @cute.jit
+    def main_loop(self, n_mt: cutlass.Constexpr, sB, a_gaddr, a_saddr, rAsrc, rAbytes, b_gbase,
+                  b_saddr, acc, tidx, warp, widx, q0, lm_row, lm_col):
+        """The cp.async ring over the K stages, accumulating the first `n_mt` m tiles."""
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if s < self.k_stages:
+                self.issue_a(s, s, a_gaddr, a_saddr, rAsrc, rAbytes, tidx)
+                self.issue_b(s, s, b_gbase, b_saddr, tidx)
+            cute.arch.cp_async_commit_group()
+        for ks in range(self.k_stages):
+            cute.arch.cp_async_wait_group(self.stages - 2)
+            cute.arch.sync_threads()
+            nxt = ks + self.stages - 1
+            if nxt < self.k_stages:
+                self.issue_a(nxt, nxt % self.stages, a_gaddr, a_saddr, rAsrc, rAbytes, tidx)
+                self.issue_b(nxt, nxt % self.stages, b_gbase, b_saddr, tidx)
+            cute.arch.cp_async_commit_group()
+            self.mma_stage(n_mt, sB, ks % self.stages, a_saddr, acc, warp, widx, q0, lm_row, lm_col)
+
+    @cute.jit
+    def mma_stage(self, n_mt: cutlass.Constexpr, sB, buf, a_saddr, acc, warp, widx, q0, lm_row,
+                  lm_col):
+        """Decode this warp's B fragments of stage buffer `buf` and accumulate the rows of the
+        first `n_mt` m tiles."""
         for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
             rBf = cute.make_rmem_tensor((2, 4), Uint32)
             for jj in cutlass.range_constexpr(2):
                 halves = self.decode_stage(sB, buf, kk, warp, widx, q0, jj)
                 for pair in cutlass.range_constexpr(4):
                     rBf[jj, pair] = halves[pair]
-            for mt in cutlass.range_constexpr(self.m_tiles):
+            for mt in cutlass.range_constexpr(n_mt):
                 a_addr = a_saddr + ((buf * self.m_pad + mt * 16 + lm_row) * A_ROW_HALVES
                                     + kk * 16 + lm_col) * 2
                 a0, a1, a2, a3 = ptx.ldmatrix_x4(a_addr)
@@ -402,20 +442,20 @@ class TrellisGemm:
             if expert >= 0:
                 acc.fill(0.0)
                 b_gbase = b_gaddr + self.b_tile_base(expert, nt)
-                for s in cutlass.range_constexpr(self.stages - 1):
-                    if s < self.k_stages:
-                        self.issue_a(s, s, a_gaddr, a_saddr, rAsrc, rAbytes, tidx)
-                        self.issue_b(s, s, b_gbase, b_saddr, tidx)
-                    cute.arch.cp_async_commit_group()
-                for ks in range(self.k_stages):
-                    cute.arch.cp_async_wait_group(self.stages - 2)
-                    cute.arch.sync_threads()
-                    nxt = ks + self.stages - 1
-                    if nxt < self.k_stages:
-                        self.issue_a(nxt, nxt % self.stages, a_gaddr, a_saddr, rAsrc, rAbytes, tidx)
-                        self.issue_b(nxt, nxt % self.stages, b_gbase, b_saddr, tidx)
-                    cute.arch.cp_async_commit_group()
-                    self.mma_stage(sB, ks % self.stages, a_saddr, acc, warp, widx, q0, lm_row, lm_col)
+                # Only the m tiles holding real rows (a prefix of the block) run their MMAs:
+                # e.g. the last block of an expert, 9 real rows of 64 at 4,096 tokens. Every
+                # warp computes the same ballots, so the branch is uniform across the CTA
+                # (the loop has barriers).
+                n_used = Int32(1)
+                if cutlass.const_expr(self.m_tiles > 1):
+                    n_real = cute.arch.popc(cute.arch.vote_ballot_sync(
+                        (lane < cutlass.min(self.block_m, 32)) & (rRoute0 < n_routes)))
+                    if cutlass.const_expr(self.block_m > 32):
+                        n_real = n_real + cute.arch.popc(cute.arch.vote_ballot_sync(
+                            (lane < self.block_m - 32) & (rRoute1 < n_routes)))
+                    n_used = (n_real + 15) // 16
+                self.dispatch(1, n_used, sB, a_gaddr, a_saddr, rAsrc, rAbytes, b_gbase, b_saddr,
+                              acc, tidx, warp, widx, q0, lm_row, lm_col)
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.sync_threads()  # every warp is done with the A ring it stages through
                 self.store_tile(pOut.toint(), a_saddr, acc, rRoute0, rRoute1, nt, warp, lane, n_routes)
