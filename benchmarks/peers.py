@@ -86,7 +86,8 @@ class DecodeCeiling:
     """Decodes the touched experts' trellis codes of gate, up and down once each (one
     decode-only launch per projection, same decode and cp.async ring as the GEMM)."""
 
-    def __init__(self, weights, *, ctas_per_sm: int = 8):
+    def __init__(self, weights, *, ctas_per_sm: int = 8, mma_rows: int = 0,
+                 decode: bool = True):
         from kquant_cute.kernels.build import compile_decode
 
         arch = "sm_%d%da" % torch.cuda.get_device_capability()
@@ -97,7 +98,8 @@ class DecodeCeiling:
         self.resources = {}
         for k_dim, n_dim in shapes:
             fn, res = compile_decode(k_dim=k_dim, n_dim=n_dim, bits=w.bits, codebook=w.codebook,
-                                     arch=arch, min_ctas_per_sm=ctas_per_sm)
+                                     arch=arch, min_ctas_per_sm=ctas_per_sm, mma_rows=mma_rows,
+                                     decode=decode)
             self.fns[(k_dim, n_dim)] = fn
             self.resources[(k_dim, n_dim)] = res
         self.shapes = (shapes[0], shapes[0], shapes[1])

@@ -184,8 +184,8 @@ class LoadedForward:
 
 
 def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: str = "sm_90a",
-                   stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1,
-                   cubin_dir: str | None = None):
+                   stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1, mma_rows: int = 0,
+                   decode: bool = True, cubin_dir: str | None = None):
     """Cross-compile the decode-only kernel (`kernels.decode_ceiling`) for one projection
     shape; returns (the JIT-compiled callable, its measured resources). The callable takes
     (trellis, experts, out) pointers, the expert count and a stream; it runs only where
@@ -198,7 +198,8 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
     from .decode_ceiling import TrellisDecode
 
     probe = TrellisDecode(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
-                          stages=stages, min_ctas_per_sm=min_ctas_per_sm)
+                          stages=stages, min_ctas_per_sm=min_ctas_per_sm, mma_rows=mma_rows,
+                          decode=decode)
     args = [make_ptr(dt, 256, cute.AddressSpace.gmem, assumed_align=16)
             for dt in (cutlass.Int16, cutlass.Int32, cutlass.Uint32)]
     compiled, resources, _ = _compile_measured(

@@ -6,7 +6,9 @@ CTA streams the expert's trellis words through the same cp.async ring as `Trelli
 B registers. Instead of feeding mma.sync it folds them with packed fp16 adds (FMA pipe)
 into 4 registers per lane and writes their XOR, so no decode is dead code. No A operand,
 no MMA, no output tile: its time is what the GEMM would take if decoding the touched
-experts once were all it did.
+experts once were all it did. With `mma_rows` > 0 (a benchmark knob) every decoded tile
+also feeds the GEMM's mma.sync count for that many rows from register-only A fragments:
+the decode + MMA time without activations, shared-memory A or epilogue.
 
 Layouts (raw pointers): B trellis int16 [E, k_dim/16, n_dim/16, 16*bits]; experts int32
 [n_experts] (the experts to decode); out uint32 [n_experts * n_dim/128 * THREADS], one
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint32
+from cutlass import Float32, Int32, Uint32
 
 from . import ptx
 from .trellis_gemm import (DEFAULT_STAGES, K_STEPS_PER_STAGE, THREADS, TrellisGemm,
@@ -28,7 +30,8 @@ class TrellisDecode:
     """One specialization of the decode-only kernel (see module docstring)."""
 
     def __init__(self, *, k_dim: int, n_dim: int, bits: int, codebook: str,
-                 stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1):
+                 stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1, mma_rows: int = 0,
+                 decode: bool = True):
         reason = self.can_implement(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                                     stages=stages)
         if reason is not None:
@@ -39,6 +42,15 @@ class TrellisDecode:
                                 codebook=codebook, topk=1, a_rows_per_token=False,
                                 stages=stages, min_ctas_per_sm=min_ctas_per_sm)
         self.smem_bytes = self.smem(bits, stages)
+        # Benchmark knob: also run the GEMM's mma.sync count for `mma_rows` rows on every
+        # decoded tile, with register-only A fragments (no shared memory, no barrier): the
+        # decode + MMA ceiling. 0 = decode only (the checksum's host model holds).
+        if mma_rows % 16:
+            raise ValueError(f"mma_rows {mma_rows} is not a multiple of 16")
+        self.m_tiles = mma_rows // 16
+        # decode=False (with mma_rows): the raw trellis words stand in for the decoded
+        # fragments, which times the MMAs alone with the same ring and loop.
+        self.decode = decode
 
     @staticmethod
     def smem(bits: int, stages: int) -> int:
@@ -75,6 +87,9 @@ class TrellisDecode:
         b_gbase = pB.toint() + self.gemm.b_tile_base(expert, nt)
         rSum = cute.make_rmem_tensor((4,), Uint32)
         rSum.fill(0)
+        acc = cute.make_rmem_tensor((max(self.m_tiles, 1), 2, 4), Float32)
+        acc.fill(0.0)
+        rA = Uint32(tidx) * Uint32(0x00010001) ^ Uint32(0x3C003C00)  # not a constant
         # The GEMM's ring with B only (TrellisGemm.kernel issues A in the same slots).
         for s in cutlass.range_constexpr(self.gemm.stages - 1):
             if s < self.gemm.k_stages:
@@ -90,11 +105,31 @@ class TrellisDecode:
             buf = ks % self.gemm.stages
             for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
                 for jj in cutlass.range_constexpr(2):
-                    halves = self.gemm.decode_stage(sB, buf, kk, warp, widx, q0, jj)
+                    if cutlass.const_expr(self.decode):
+                        halves = self.gemm.decode_stage(sB, buf, kk, warp, widx, q0, jj)
+                    else:
+                        tb = buf * self.gemm.b_stage_words + (kk * 8 + warp * 2 + jj) * self.gemm.tile_words
+                        words = [sB[tb + w] for w in widx]
+                        halves = [words[0], words[1], words[0] ^ words[1], words[-1]]
                     for pair in cutlass.range_constexpr(4):
                         rSum[pair] = ptx.hadd2(rSum[pair], halves[pair])
+                    for mt in cutlass.range_constexpr(self.m_tiles):
+                        for nn in cutlass.range_constexpr(2):
+                            d = ptx.mma_f16_m16n8k16(rA, rA, rA, rA, halves[2 * nn],
+                                                     halves[2 * nn + 1], acc[mt, nn, 0],
+                                                     acc[mt, nn, 1], acc[mt, nn, 2], acc[mt, nn, 3])
+                            for i in cutlass.range_constexpr(4):
+                                acc[mt, nn, i] = d[i]
         cute.arch.cp_async_wait_group(0)
-        mOut[bidx * THREADS + tidx] = (rSum[0] ^ rSum[1]) ^ (rSum[2] ^ rSum[3])
+        word = (rSum[0] ^ rSum[1]) ^ (rSum[2] ^ rSum[3])
+        if cutlass.const_expr(self.m_tiles > 0):
+            total = Float32(0.0)
+            for mt in cutlass.range_constexpr(self.m_tiles):
+                for nn in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(4):
+                        total = total + acc[mt, nn, i]
+            word = word ^ Uint32(Int32(total))
+        mOut[bidx * THREADS + tidx] = word
 
 
 def reference_checksum(trellis, experts, codebook: str):
