@@ -137,3 +137,25 @@ def test_decode_kernel_compiles_without_spills(arch):
     assert decode.stack == 0 and decode.local == 0
     assert 0 < decode.registers <= 64  # 8 CTAs of 128 threads per SM
     assert decode.shared >= TrellisDecode.smem(4, 4)
+
+
+@pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("decode", [True, False])
+def test_overlap_probe_variants_keep_their_mmas(decode, tmp_path):
+    """The overlap probe's decode + MMA and MMA-only variants really issue the GEMM's
+    mma.sync count (4 k steps x 2 tiles x 2 m tiles x 2 n8 halves per stage at 32 rows):
+    dead MMAs would make the probe measure the decode alone."""
+    import subprocess
+
+    from kquant_cute.kernels.build import compile_decode
+
+    _, res = compile_decode(k_dim=384, n_dim=3584, bits=4, codebook="mcg", arch="sm_90a",
+                            mma_rows=32, decode=decode, cubin_dir=str(tmp_path))
+    (probe,) = [r for r in res if r.kernel == "TrellisDecode"]
+    assert probe.local == 0
+    (cubin,) = tmp_path.glob("*.cubin")
+    sass = subprocess.run([find_cuobjdump(), "-sass", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout
+    assert sass.count("HMMA.16816.F32") >= 32
+    with pytest.raises(ValueError, match="multiple of 16"):
+        TrellisDecode(k_dim=384, n_dim=3584, bits=4, codebook="mcg", mma_rows=24)
