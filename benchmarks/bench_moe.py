@@ -6,6 +6,10 @@ hidden-side vectors, balanced random routing). Each cell: median over `--iters` 
 replays after warm-up, rotating `--sets` input sets. Usage:
 
     python benchmarks/bench_moe.py [--tokens 16 128 ...] [--blocks 8 16 32] [--json FILE]
+
+The issue-6 run in one command (K=4 table, K=2 / K=3 at 16 and 1,536 tokens, peer, floors,
+JSON and PNG): python benchmarks/bench_moe.py --peer --iters 30 --extra-bits 2 3
+--json k4.json --png k4.png
 """
 
 from __future__ import annotations
@@ -65,14 +69,67 @@ def peer_and_floors(peer, wts, m, bits, ceilings, decode=None, iters=30):
             "mma_floor": flops / (0.75 * ceilings["bf16_flops"]) * 1e3, **extra}
 
 
-def main(argv=None):
+def run_table(wts, tokens, blocks, *, iters, knobs, peer=None, ceilings=None, decode=None):
+    """One row per token count: every pinned M, the plan pair, the banded plan and (with a
+    peer) the bf16 peer and the floors. Prints each row as JSON as it completes."""
     from kquant_cute.layer import MoELayer
+
+    rows = []
+    for m in tokens:
+        row = {"tokens": m}
+        for M in blocks:
+            env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(M), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
+            layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env, **knobs)
+            ms, used = time_layer(layer, m, iters=iters)
+            row[f"M{M}"] = ms if used == M or m <= 8 else None
+            del layer
+        layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ", **knobs)
+        ms, used = time_layer(layer, m, iters=iters)
+        row["plan"], row["plan_M"] = ms, used
+        del layer
+        layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ", banded=True,
+                         **knobs)
+        row["banded"], row["banded_M"] = time_layer(layer, m, iters=iters)
+        del layer
+        if peer is not None:
+            row.update(peer_and_floors(peer, wts, m, wts.bits, ceilings, decode))
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def format_table(rows, blocks, with_peer: bool) -> list[str]:
+    """The markdown table of `run_table` rows (pure; no GPU)."""
+    extra = (["bf16 peer", "HBM floor", "MMA floor", "decode-only", "plan/peer", "banded/peer",
+              "banded/decode", "M8/banded"] if with_peer else [])
+    head = ["tokens"] + [f"M{M}" for M in blocks] + ["plan (M)", "banded (M)"] + extra
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["tokens"])] + [f"{r[f'M{M}']:.3f}" if r[f"M{M}"] else "-" for M in blocks]
+        cells.append(f"{r['plan']:.3f} ({r['plan_M']})")
+        cells.append(f"{r['banded']:.3f} ({r['banded_M']})")
+        if with_peer:
+            m8 = r.get("M8")
+            cells += [f"{r['peer']:.3f}", f"{r['hbm_floor']:.3f}", f"{r['mma_floor']:.3f}",
+                      f"{r['decode_floor']:.3f}",
+                      f"{r['plan'] / r['peer']:.2f}", f"{r['banded'] / r['peer']:.2f}",
+                      f"{r['banded'] / r['decode_floor']:.2f}",
+                      f"{m8 / r['banded']:.2f}" if m8 else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv=None):
     from kquant_cute.weights import MoEWeights
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 512, 1024, 1536, 4096])
     p.add_argument("--blocks", type=int, nargs="+", default=[8, 16, 32, 48, 64])
     p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--extra-bits", type=int, nargs="*", default=[],
+                   help="after the main table, one table per K here at 16 and 1,536 tokens, "
+                        "M = 8 and 32 (the BRIEF's K = 2, 3 rows: --extra-bits 2 3)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: the kernel's)")
     p.add_argument("--occupancy", type=int, default=None,
@@ -83,63 +140,40 @@ def main(argv=None):
     p.add_argument("--peer", action="store_true",
                    help="also time the dense bf16 torch._grouped_mm peer and print the floors")
     a = p.parse_args(argv)
-    t0 = time.time()
-    wts = MoEWeights.random(896, 3584, 384, a.bits, "mcg", shared_hidden_vectors=True, seed=0,
-                            device="cuda")
-    print(f"# {torch.cuda.get_device_name()}  weights ready in {time.time() - t0:.1f}s", flush=True)
-    peer = ceilings = decode = None
-    if a.peer:
-        from peers import (Bf16GroupedMoE, DecodeCeiling, measure_bf16_matmul_rate,
-                           measure_copy_bandwidth)
-
-        peer = Bf16GroupedMoE(wts, topk=16, activation="situ")
-        decode = DecodeCeiling(wts)
-        print(f"# decode-only kernel: {decode.resources}", flush=True)
-        ceilings = {"copy_Bps": measure_copy_bandwidth(), "bf16_flops": measure_bf16_matmul_rate()}
-        print(f"# ceilings: copy {ceilings['copy_Bps'] / 1e12:.2f} TB/s, bf16 matmul "
-              f"{ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s; peer weights "
-              f"{peer.weight_bytes() / 1e9:.2f} GB", flush=True)
     knobs = {"stages": a.stages, "occupancy": a.occupancy}
-    rows = []
-    for m in a.tokens:
-        row = {"tokens": m}
-        for M in a.blocks:
-            env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(M), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
-            layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env, **knobs)
-            ms, used = time_layer(layer, m, iters=a.iters)
-            row[f"M{M}"] = ms if used == M or m <= 8 else None
-            del layer
-        layer = MoELayer(wts, topk=16, capacity=max(a.tokens), activation="situ", **knobs)
-        ms, used = time_layer(layer, m, iters=a.iters)
-        row["plan"], row["plan_M"] = ms, used
-        del layer
-        layer = MoELayer(wts, topk=16, capacity=max(a.tokens), activation="situ", banded=True,
-                         **knobs)
-        row["banded"], row["banded_M"] = time_layer(layer, m, iters=a.iters)
-        del layer
-        if peer is not None:
-            row.update(peer_and_floors(peer, wts, m, a.bits, ceilings, decode))
+    jobs = [(a.bits, a.tokens, a.blocks)] + [(b, [16, 1536], [8, 32]) for b in a.extra_bits]
+    ceilings = None
+    tables = {}
+    for bits, tokens, blocks in jobs:
+        t0 = time.time()
+        wts = MoEWeights.random(896, 3584, 384, bits, "mcg", shared_hidden_vectors=True,
+                                seed=0, device="cuda")
+        print(f"# {torch.cuda.get_device_name()}  K={bits} weights ready in "
+              f"{time.time() - t0:.1f}s", flush=True)
+        peer = decode = None
+        if a.peer:
+            from peers import (Bf16GroupedMoE, DecodeCeiling, measure_bf16_matmul_rate,
+                               measure_copy_bandwidth)
+
+            peer = Bf16GroupedMoE(wts, topk=16, activation="situ")
+            decode = DecodeCeiling(wts)
+            print(f"# decode-only kernel: {decode.resources}", flush=True)
+            if ceilings is None:
+                ceilings = {"copy_Bps": measure_copy_bandwidth(),
+                            "bf16_flops": measure_bf16_matmul_rate()}
+            print(f"# ceilings: copy {ceilings['copy_Bps'] / 1e12:.2f} TB/s, bf16 matmul "
+                  f"{ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s; peer weights "
+                  f"{peer.weight_bytes() / 1e9:.2f} GB", flush=True)
+        rows = run_table(wts, tokens, blocks, iters=a.iters, knobs=knobs, peer=peer,
+                         ceilings=ceilings, decode=decode)
+        print(f"# K={bits}")
+        print("\n".join(format_table(rows, blocks, peer is not None)), flush=True)
+        tables[bits] = rows
+        del wts, peer, decode
         torch.cuda.empty_cache()
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    extra = (["bf16 peer", "HBM floor", "MMA floor", "decode-only", "plan/peer", "banded/peer",
-              "banded/decode", "M8/banded"] if peer else [])
-    head = ["tokens"] + [f"M{M}" for M in a.blocks] + ["plan (M)", "banded (M)"] + extra
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for r in rows:
-        cells = [str(r["tokens"])] + [f"{r[f'M{M}']:.3f}" if r[f"M{M}"] else "-" for M in a.blocks]
-        cells.append(f"{r['plan']:.3f} ({r['plan_M']})")
-        cells.append(f"{r['banded']:.3f} ({r['banded_M']})")
-        if peer:
-            m8 = r.get("M8")
-            cells += [f"{r['peer']:.3f}", f"{r['hbm_floor']:.3f}", f"{r['mma_floor']:.3f}",
-                      f"{r['decode_floor']:.3f}",
-                      f"{r['plan'] / r['peer']:.2f}", f"{r['banded'] / r['peer']:.2f}",
-                      f"{r['banded'] / r['decode_floor']:.2f}",
-                      f"{m8 / r['banded']:.2f}" if m8 else "-"]
-        print("| " + " | ".join(cells) + " |")
-    result = {"device": torch.cuda.get_device_name(), "rows": rows}
+    result = {"device": torch.cuda.get_device_name(), "bits": a.bits, "rows": tables[a.bits]}
+    if a.extra_bits:
+        result["extra"] = {str(b): tables[b] for b in a.extra_bits}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
