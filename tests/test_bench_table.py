@@ -33,3 +33,36 @@ def test_table_columns_line_up_and_ratios_are_ours_over_peer():
 def test_table_without_peer_has_no_floor_columns():
     lines = bench_moe.format_table([_row(128, 1.0, 0.5)], [8, 32], with_peer=False)
     assert "bf16 peer" not in lines[0] and lines[0].count("|") == lines[2].count("|") == 6
+
+
+def test_one_command_runs_the_extra_k_tables(monkeypatch, tmp_path):
+    """`--extra-bits 2 3` runs K=4 over the given tokens, then K=2 and K=3 at 16 and 1,536
+    tokens with M = 8, 32, and writes all of them into the JSON (GPU parts stubbed)."""
+    import json
+
+    import torch
+
+    import kquant_cute.weights as weights
+
+    class Weights:
+        def __init__(self, bits):
+            self.bits = bits
+
+    calls = []
+
+    def run_table(wts, tokens, blocks, **kw):
+        calls.append((wts.bits, tokens, blocks))
+        return [{"tokens": t, **{f"M{M}": 1.0 for M in blocks}, "plan": 1.0, "plan_M": 8,
+                 "banded": 1.0, "banded_M": 8} for t in tokens]
+
+    monkeypatch.setattr(weights.MoEWeights, "random", staticmethod(lambda *a, **k: Weights(a[3])))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench_moe, "run_table", run_table)
+    out = tmp_path / "k.json"
+    assert bench_moe.main(["--tokens", "16", "4096", "--extra-bits", "2", "3", "--json", str(out)]) == 0
+    assert calls == [(4, [16, 4096], [8, 16, 32, 48, 64]), (2, [16, 1536], [8, 32]),
+                     (3, [16, 1536], [8, 32])]
+    result = json.loads(out.read_text())
+    assert result["bits"] == 4 and [r["tokens"] for r in result["rows"]] == [16, 4096]
+    assert sorted(result["extra"]) == ["2", "3"]
