@@ -50,7 +50,7 @@ def time_layer(layer, m, sets=4, iters=50, warmup=5):
     return graph_median_ms(graphs, iters), block_m
 
 
-def peer_and_floors(peer, wts, m, bits, ceilings, decode=None, iters=30):
+def peer_and_floors(peer, wts, m, ceilings, decode=None, iters=30):
     """Graph-replayed bf16 grouped-GEMM peer time, the HBM / MMA floors and (with
     `decode`) the measured decode-only ceiling for m tokens."""
     H, I, E = wts.hidden, wts.intermediate, wts.num_experts
@@ -62,7 +62,7 @@ def peer_and_floors(peer, wts, m, bits, ceilings, decode=None, iters=30):
     experts = torch.unique(ids)
     touched = experts.numel()
     extra = {"decode_floor": decode.time(experts, iters)} if decode is not None else {}
-    hbm_bytes = touched * 3 * H * I * bits / 8 + m * H * (2 + 4)
+    hbm_bytes = touched * 3 * H * I * wts.bits / 8 + m * H * (2 + 4)
     flops = 2 * m * 16 * 3 * H * I
     return {"peer": peer_ms, "touched_experts": touched,
             "hbm_floor": hbm_bytes / ceilings["copy_Bps"] * 1e3,
@@ -92,7 +92,7 @@ def run_table(wts, tokens, blocks, *, iters, knobs, peer=None, ceilings=None, de
         row["banded"], row["banded_M"] = time_layer(layer, m, iters=iters)
         del layer
         if peer is not None:
-            row.update(peer_and_floors(peer, wts, m, wts.bits, ceilings, decode))
+            row.update(peer_and_floors(peer, wts, m, ceilings, decode))
         torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -108,8 +108,7 @@ class TrellisDecode:
                     if cutlass.const_expr(self.decode):
                         halves = self.gemm.decode_stage(sB, buf, kk, warp, widx, q0, jj)
                     else:
-                        tb = buf * self.gemm.b_stage_words + (kk * 8 + warp * 2 + jj) * self.gemm.tile_words
-                        words = [sB[tb + w] for w in widx]
+                        words = self.gemm.stage_words(sB, buf, kk, warp, widx, jj)
                         halves = [words[0], words[1], words[0] ^ words[1], words[-1]]
                     for pair in cutlass.range_constexpr(4):
                         rSum[pair] = ptx.hadd2(rSum[pair], halves[pair])

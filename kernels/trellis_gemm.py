@@ -381,10 +381,16 @@ class TrellisGemm:
                     acc[mt, nn, 2] = d2
                     acc[mt, nn, 3] = d3
 
+    def stage_words(self, sB, buf, kk, warp, widx, jj):
+        """This lane's trellis words of tile (k step kk, 16-column tile 2*warp + jj) in
+        stage buffer `buf`."""
+        tb = buf * self.b_stage_words + (kk * (TILE_N // 16) + warp * 2 + jj) * self.tile_words
+        return [sB[tb + w] for w in widx]
+
     def decode_stage(self, sB, buf, kk, warp, widx, q0, jj):
         """This lane's 4 half2 B registers of tile (k step kk, 16-column tile 2*warp + jj)."""
-        tb = buf * self.b_stage_words + (kk * (TILE_N // 16) + warp * 2 + jj) * self.tile_words
-        return decode_lane_tile([sB[tb + w] for w in widx], q0, self.bits, self.codebook)
+        return decode_lane_tile(self.stage_words(sB, buf, kk, warp, widx, jj), q0, self.bits,
+                                self.codebook)
 
     @cute.kernel
     def kernel(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
