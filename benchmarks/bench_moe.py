@@ -30,6 +30,7 @@ def balanced_ids(m, topk, num_experts, gen):
 
 
 def time_layer(layer, m, sets=4, iters=50, warmup=5):
+    """(median ms, bound M, output of input set 0 after the timing) for `layer` at m."""
     H, topk, E = layer.weights.hidden, layer.topk, layer.weights.num_experts
     gen = torch.Generator(device="cuda").manual_seed(m)
     inputs = []
@@ -47,7 +48,11 @@ def time_layer(layer, m, sets=4, iters=50, warmup=5):
     for i in range(warmup):
         graphs[i % sets].replay()
     torch.cuda.synchronize()
-    return graph_median_ms(graphs, iters), block_m
+    ms = graph_median_ms(graphs, iters)
+    layer.output.fill_(float("nan"))  # an element the replay does not write stays NaN
+    graphs[0].replay()
+    torch.cuda.synchronize()
+    return ms, block_m, layer.output[:m].clone()
 
 
 def peer_and_floors(peer, wts, m, ceilings, decode=None, iters=30):
@@ -77,20 +82,28 @@ def run_table(wts, tokens, blocks, *, iters, knobs, peer=None, ceilings=None, de
     rows = []
     for m in tokens:
         row = {"tokens": m}
+        outs = []
         for M in blocks:
             env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(M), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
             layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env, **knobs)
-            ms, used = time_layer(layer, m, iters=iters)
+            ms, used, out = time_layer(layer, m, iters=iters)
             row[f"M{M}"] = ms if used == M or m <= 8 else None
+            outs.append(out)
             del layer
         layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ", **knobs)
-        ms, used = time_layer(layer, m, iters=iters)
-        row["plan"], row["plan_M"] = ms, used
+        row["plan"], row["plan_M"], out = time_layer(layer, m, iters=iters)
+        outs.append(out)
+        row["gemm"] = layer.plan.plan_for(m).spec.mma
         del layer
         layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ", banded=True,
                          **knobs)
-        row["banded"], row["banded_M"] = time_layer(layer, m, iters=iters)
+        row["banded"], row["banded_M"], out = time_layer(layer, m, iters=iters)
+        outs.append(out)
         del layer
+        # Every column computed the same forward: bitwise-equal outputs, none left unwritten.
+        row["bitwise_equal"] = bool(not torch.isnan(outs[0]).any()
+                                    and all(torch.equal(o, outs[0]) for o in outs[1:]))
+        del outs
         if peer is not None:
             row.update(peer_and_floors(peer, wts, m, ceilings, decode))
         torch.cuda.empty_cache()
@@ -103,7 +116,8 @@ def format_table(rows, blocks, with_peer: bool) -> list[str]:
     """The markdown table of `run_table` rows (pure; no GPU)."""
     extra = (["bf16 peer", "HBM floor", "MMA floor", "decode-only", "plan/peer", "banded/peer",
               "banded/decode", "M8/banded"] if with_peer else [])
-    head = ["tokens"] + [f"M{M}" for M in blocks] + ["plan (M)", "banded (M)"] + extra
+    head = ["tokens"] + [f"M{M}" for M in blocks] + ["plan (M)", "banded (M)"] + extra + [
+        "bitwise equal"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["tokens"])] + [f"{r[f'M{M}']:.3f}" if r[f"M{M}"] else "-" for M in blocks]
@@ -116,6 +130,7 @@ def format_table(rows, blocks, with_peer: bool) -> list[str]:
                       f"{r['plan'] / r['peer']:.2f}", f"{r['banded'] / r['peer']:.2f}",
                       f"{r['banded'] / r['decode_floor']:.2f}",
                       f"{m8 / r['banded']:.2f}" if m8 else "-"]
+        cells.append({True: "yes", False: "NO"}.get(r.get("bitwise_equal"), "-"))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -132,6 +147,11 @@ def main(argv=None):
                         "M = 8 and 32 (the BRIEF's K = 2, 3 rows: --extra-bits 2 3)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: the kernel's)")
+    p.add_argument("--mma", default=None, choices=["auto", "sync", "wgmma"],
+                   help="GEMM instruction (default auto: wgmma on sm_90, else mma.sync)")
+    p.add_argument("--span", type=int, default=None,
+                   help="wgmma: route blocks of one expert per work item (1, 2, 4; default: "
+                        "2 at M=32)")
     p.add_argument("--occupancy", type=int, default=None,
                    help="GEMM register target in CTAs per SM (default 1: none; 0: what shared "
                         "memory allows)")
@@ -140,7 +160,7 @@ def main(argv=None):
     p.add_argument("--peer", action="store_true",
                    help="also time the dense bf16 torch._grouped_mm peer and print the floors")
     a = p.parse_args(argv)
-    knobs = {"stages": a.stages, "occupancy": a.occupancy}
+    knobs = {"stages": a.stages, "occupancy": a.occupancy, "mma": a.mma, "span": a.span}
     jobs = [(a.bits, a.tokens, a.blocks)] + [(b, [16, 1536], [8, 32]) for b in a.extra_bits]
     ceilings = None
     tables = {}
@@ -166,7 +186,7 @@ def main(argv=None):
                   f"{peer.weight_bytes() / 1e9:.2f} GB", flush=True)
         rows = run_table(wts, tokens, blocks, iters=a.iters, knobs=knobs, peer=peer,
                          ceilings=ceilings, decode=decode)
-        print(f"# K={bits}")
+        print(f"# K={bits}, GEMM {rows[0].get('gemm', '?')}")
         print("\n".join(format_table(rows, blocks, peer is not None)), flush=True)
         tables[bits] = rows
         del wts, peer, decode

@@ -28,6 +28,10 @@ def main(argv=None):
     p.add_argument("--block-m", type=int, default=None)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--stages", type=int, default=None, help="pipeline stages")
+    p.add_argument("--mma", default=None, choices=["sync", "wgmma"],
+                   help="GEMM instruction (wgmma: sm_90a, experimental)")
+    p.add_argument("--span", type=int, default=None,
+                   help="wgmma: route blocks of one expert per work item (1, 2, 4)")
     p.add_argument("--occupancy", type=int, default=None, help="GEMM register target (CTAs/SM)")
     p.add_argument("--bare", action="store_true", help="run the forwards only (no torch.profiler)")
     a = p.parse_args(argv)
@@ -37,7 +41,7 @@ def main(argv=None):
         if a.block_m:
             env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(a.block_m), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
         layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env,
-                         stages=a.stages, occupancy=a.occupancy)
+                         stages=a.stages, occupancy=a.occupancy, mma=a.mma, span=a.span)
         g = torch.Generator(device="cuda").manual_seed(m)
         x = torch.randn(m, 3584, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.rand(m, 896, generator=g, device="cuda").topk(16, dim=1).indices.to(torch.int32).contiguous()
@@ -60,10 +64,10 @@ def main(argv=None):
         for ev in prof.events():
             if ev.device_type == torch.autograd.DeviceType.CUDA:
                 name = ev.name
-                for key in ("TrellisGemm", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
+                for key in ("TrellisGemm", "TrellisWgmma", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
                     if key in name:
                         # GEMM specializations differ by their trailing index (FC1 vs FC2).
-                        name = key + (name[-3:] if key == "TrellisGemm" else "")
+                        name = key + (name[-3:] if key.startswith("Trellis") else "")
                         break
                 totals[name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
         total = sum(totals.values()) / a.reps

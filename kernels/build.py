@@ -39,7 +39,7 @@ class KernelResources:
 
 
 def _short_kernel_name(raw: str) -> str:
-    for key in ("TrellisGemm", "TrellisDecode", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
+    for key in ("TrellisGemm", "TrellisWgmma", "TrellisDecode", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
         if key in raw:
             return key
     return raw[:48]

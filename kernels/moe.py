@@ -18,6 +18,7 @@ Token count, routed experts and the grid (from the plan's block bound) are run-t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import cutlass
@@ -29,8 +30,11 @@ from .rotate import ACTIVATIONS, CombineOutput, MidActivation, RotateInput
 from .route_pack import RoutePack
 from .trellis_gemm import (DEFAULT_STAGES, MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA, TrellisGemm,
                            smem_bytes as gemm_smem_bytes)
+from .trellis_wgmma import TrellisWgmma, check_span, default_span, smem_bytes as wgmma_smem_bytes
 
 ACT_DTYPES = ("bfloat16", "float16")
+MMA_KINDS = ("auto", "sync", "wgmma")
+WGMMA_ARCH = "sm_90a"
 OUT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_TOPK = 64
 INDEX_LIMIT = 2**31 - 1
@@ -76,10 +80,35 @@ class MoESpec:
     #: H200 a target measured no faster), 0 = as many as shared memory allows
     #: (`TrellisGemm.occupancy_target`), n = n.
     occupancy: int = 1
+    #: GEMM instruction: "sync" (mma.sync, every arch), "wgmma" (sm_90a only: decoded
+    #: weights as the register A operand of async wgmma, see trellis_wgmma) or "auto" (the
+    #: faster one on the H200 measurements: wgmma on sm_90a, else sync).
+    mma: str = "auto"
+    #: wgmma only: route blocks of one expert per work item (rows = span x block_m <= 128),
+    #: so an expert's weights are decoded once per N tile for up to that many rows; 0 =
+    #: `trellis_wgmma.default_span(block_m)` under wgmma, 1 under mma.sync.
+    span: int = 0
     arch: str = "sm_90a"
+
+    def resolved(self) -> "MoESpec":
+        """This spec with `mma` and `span` made concrete for its arch ("auto" / 0 resolved).
+        The compiled object, its name and its cache key are those of the resolved spec."""
+        mma = self.mma
+        if mma == "auto":
+            mma = "wgmma" if self.arch == WGMMA_ARCH else "sync"
+        span = self.span
+        if span == 0 and mma in ("sync", "wgmma"):
+            span = default_span(self.block_m) if mma == "wgmma" else 1
+        if (mma, span) == (self.mma, self.span):
+            return self
+        return dataclasses.replace(self, mma=mma, span=span)
 
     def check(self, smem_limit: int | None = None) -> str | None:
         """None when this specialization can be built, else the reason (static checks)."""
+        if self.mma not in MMA_KINDS:
+            return f"mma {self.mma!r} not in {MMA_KINDS}"
+        if isinstance(self.block_m, int) and (self.mma == "auto" or self.span == 0):
+            return self.resolved().check(smem_limit)
         for name in ("num_experts", "hidden", "intermediate", "topk", "bits", "block_m"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -91,6 +120,16 @@ class MoESpec:
             return f"act_dtype {self.act_dtype!r} not in {ACT_DTYPES}"
         if self.out_dtype not in OUT_DTYPES:
             return f"out_dtype {self.out_dtype!r} not in {OUT_DTYPES}"
+        if self.mma == "wgmma" and self.arch != WGMMA_ARCH:
+            return f"mma 'wgmma' needs {WGMMA_ARCH}, not {self.arch}"
+        if not isinstance(self.span, int) or isinstance(self.span, bool) or self.span < 0:
+            return f"span must be an int >= 0, got {self.span!r}"
+        if self.span != 1:
+            if self.mma != "wgmma":
+                return f"span {self.span!r} needs mma 'wgmma'"
+            reason = check_span(self.block_m, self.span)
+            if reason is not None:
+                return reason
         if self.activation not in ACTIVATIONS:
             return f"activation {self.activation!r} not in {ACTIVATIONS}"
         if self.topk > MAX_TOPK:
@@ -111,6 +150,11 @@ class MoESpec:
 
     def dynamic_smem(self) -> dict:
         """Dynamic shared memory per block of each kernel (bytes), by kernel class name."""
+        self = self.resolved()
+        if self.mma == "wgmma":
+            return {"TrellisWgmma": wgmma_smem_bytes(self.block_m, self.bits, self.stages,
+                                                     self.span),
+                    "RoutePack": RoutePack.smem_bytes(self.num_experts)}
         return {"TrellisGemm": gemm_smem_bytes(self.block_m, self.bits, self.stages),
                 "RoutePack": RoutePack.smem_bytes(self.num_experts)}
 
@@ -122,11 +166,14 @@ class MoESpec:
         return dataclasses.replace(self, **changes)
 
     def kernel_name(self) -> str:
+        self = self.resolved()
         return (f"kq_moe_m{self.block_m}_k{self.bits}_{self.codebook}_{self.act_dtype}_"
                 f"{self.out_dtype}_{self.activation}_{'shared' if self.shared_hidden_vectors else 'perexp'}"
                 f"{'_map' if self.has_expert_map else ''}_e{self.num_experts}_h{self.hidden}_"
                 f"i{self.intermediate}_t{self.topk}_s{self.stages}"
-                f"{f'_o{self.occupancy}' if self.occupancy != 1 else ''}_{self.arch}")
+                f"{f'_o{self.occupancy}' if self.occupancy != 1 else ''}"
+                f"{'_wgmma' if self.mma == 'wgmma' else ''}"
+                f"{f'_x{self.span}' if self.span != 1 else ''}_{self.arch}")
 
     def gemm_ctas_per_sm(self) -> int:
         """The GEMM's register target in CTAs per SM (see `occupancy`)."""
@@ -152,19 +199,23 @@ class MoEForward:
         reason = spec.check()
         if reason is not None:
             raise ValueError(f"cannot build {spec.kernel_name()}: {reason}")
+        spec = spec.resolved()
         self.spec = spec
         per_route = not spec.shared_hidden_vectors
         self.pack = RoutePack(num_experts=spec.num_experts, block_m=spec.block_m,
                               has_map=spec.has_expert_map)
         self.rotate_in = RotateInput(hidden=spec.hidden, topk=spec.topk, per_route=per_route,
                                      has_map=spec.has_expert_map)
-        self.gemm1 = TrellisGemm(block_m=spec.block_m, k_dim=spec.hidden, n_dim=spec.intermediate,
+        Gemm = TrellisGemm
+        if spec.mma == "wgmma":
+            Gemm = functools.partial(TrellisWgmma, span=spec.span)
+        self.gemm1 = Gemm(block_m=spec.block_m, k_dim=spec.hidden, n_dim=spec.intermediate,
                                  bits=spec.bits, codebook=spec.codebook, topk=spec.topk,
                                  a_rows_per_token=not per_route, stages=spec.stages,
                                  min_ctas_per_sm=spec.gemm_ctas_per_sm())
         self.mid = MidActivation(intermediate=spec.intermediate, activation=spec.activation,
                                  has_map=spec.has_expert_map)
-        self.gemm2 = TrellisGemm(block_m=spec.block_m, k_dim=spec.intermediate, n_dim=spec.hidden,
+        self.gemm2 = Gemm(block_m=spec.block_m, k_dim=spec.intermediate, n_dim=spec.hidden,
                                  bits=spec.bits, codebook=spec.codebook, topk=spec.topk,
                                  a_rows_per_token=False, stages=spec.stages,
                                  min_ctas_per_sm=spec.gemm_ctas_per_sm())
@@ -188,11 +239,15 @@ class MoEForward:
         self.pack(topk_ids, expert_map, sorted_routes, block_expert, num_padded,
                   expert_offsets, expert_counts, n_routes, max_blocks, stream)
         self.rotate_in(x, gate_suh, up_suh, topk_ids, expert_map, xg, xu, rows, stream)
-        self.gemm1(xg, gate_trellis, sorted_routes, block_expert, num_padded, g, n_routes,
-                   a_zero_row, max_blocks, stream)
-        self.gemm1(xu, up_trellis, sorted_routes, block_expert, num_padded, u, n_routes,
-                   a_zero_row, max_blocks, stream)
+        # The wgmma GEMM also reads the per-expert offsets and counts (spans).
+        groups = (block_expert, num_padded)
+        if cutlass.const_expr(self.spec.mma == "wgmma"):
+            groups = (block_expert, num_padded, expert_offsets, expert_counts)
+        self.gemm1(xg, gate_trellis, sorted_routes, *groups, g, n_routes, a_zero_row,
+                   max_blocks, stream)
+        self.gemm1(xu, up_trellis, sorted_routes, *groups, u, n_routes, a_zero_row,
+                   max_blocks, stream)
         self.mid(g, u, gate_svh, up_svh, down_suh, topk_ids, expert_map, a2, n_routes, stream)
-        self.gemm2(a2, down_trellis, sorted_routes, block_expert, num_padded, y, n_routes,
-                   routes_cap, max_blocks, stream)
+        self.gemm2(a2, down_trellis, sorted_routes, *groups, y, n_routes, routes_cap,
+                   max_blocks, stream)
         self.combine(y, down_svh, topk_ids, expert_map, topk_weights, out, m, stream)

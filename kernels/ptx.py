@@ -115,6 +115,15 @@ def st_shared_v2_f32(smem_addr, a, b, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def st_shared_f32(smem_addr, v, *, loc=None, ip=None):
+    """One fp32 store to shared memory."""
+    llvm.inline_asm(
+        None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), _f32(v, loc, ip)],
+        "st.shared.f32 [$0], $1;", "r,f", has_side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
 def copy_shared_to_global_16(gmem_addr, smem_addr, *, loc=None, ip=None):
     """16 bytes from shared to global memory through registers (ld.shared.v4 +
     st.global.v4), both addresses 16-byte aligned."""
@@ -182,8 +191,73 @@ def shfl_xor_f32(x, offset: int, *, loc=None, ip=None):
     ))
 
 
+# --- sm_90a warpgroup MMA (wgmma) with the A operand from registers ---------------------
+
+@dsl_user_op
+def wgmma_fence(*, loc=None, ip=None):
+    """Orders this warpgroup's earlier register writes (A fragments, accumulators) before
+    the next wgmma.mma_async reads them."""
+    llvm.inline_asm(None, [], "wgmma.fence.sync.aligned;", "", has_side_effects=True,
+                    loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wgmma_commit(*, loc=None, ip=None):
+    """Closes the group of wgmma.mma_async issued since the last commit."""
+    llvm.inline_asm(None, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True,
+                    loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wgmma_wait(pending: int, acc, *, loc=None, ip=None):
+    """Waits until at most `pending` wgmma groups are in flight; `acc` (fp32 values) pass
+    through the same instruction so nothing reads them before it."""
+    n = len(acc)
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * n),
+        [_f32(v, loc, ip) for v in acc],
+        f"wgmma.wait_group.sync.aligned {int(pending)};",
+        ",".join(["=f"] * n + [str(i) for i in range(n)]),
+        has_side_effects=True, loc=loc, ip=ip,
+    )
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+@dsl_user_op
+def fence_proxy_async_smem(*, loc=None, ip=None):
+    """Makes this thread's generic-proxy shared-memory writes (cp.async data) visible to
+    the async proxy that wgmma reads shared memory through."""
+    llvm.inline_asm(None, [], "fence.proxy.async.shared::cta;", "", has_side_effects=True,
+                    loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wgmma_m64k16_f16_rs(acc, a0, a1, a2, a3, b_desc, *, loc=None, ip=None):
+    """acc (m64 x n fp32, n = 2 * len(acc)) += A (m64 x k16 fp16, this warp's rows
+    16w..16w+15 in the m16n8k16 A-fragment registers a0..a3) x B (k16 x n fp16, K-major in
+    shared memory, matrix descriptor `b_desc`). Asynchronous: the result is defined after
+    `wgmma_commit` + `wgmma_wait`. Accumulator j*4 + e: row 16w + g + 8 (e >> 1), column
+    8j + 2c + (e & 1) (lane = 4g + c)."""
+    n = len(acc)
+    regs = ", ".join(f"${i}" for i in range(n))
+    a = ", ".join(f"${2 * n + i}" for i in range(4))
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * n),
+        [_f32(v, loc, ip) for v in acc]
+        + [_u32(a0, loc, ip), _u32(a1, loc, ip), _u32(a2, loc, ip), _u32(a3, loc, ip),
+           Int64(b_desc).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
+        f"wgmma.mma_async.sync.aligned.m64n{2 * n}k16.f32.f16.f16 "
+        f"{{{regs}}}, {{{a}}}, ${2 * n + 4}, p, 1, 1, 0;\n\t}}",
+        ",".join(["=f"] * n + [str(i) for i in range(n)] + ["r"] * 4 + ["l"]),
+        has_side_effects=True, loc=loc, ip=ip,
+    )
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
 __all__ = [
     "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "hadd2", "st_shared_v2_f32",
     "copy_shared_to_global_16", "funnel_hi", "prmt_u32",
-    "cp_async_16", "ldmatrix_x4", "shfl_xor_f32", "flat_tensor", "local_expert",
+    "cp_async_16", "ldmatrix_x4", "wgmma_fence", "wgmma_commit", "st_shared_f32",
+    "wgmma_wait", "fence_proxy_async_smem", "wgmma_m64k16_f16_rs", "shfl_xor_f32", "flat_tensor", "local_expert",
 ]

@@ -219,7 +219,6 @@ class TrellisGemm:
         self.a_chunks = block_m * (K_STEPS_PER_STAGE * 16 * 2 // 16)  # 16-byte copies per stage
         self.b_chunks = K_STEPS_PER_STAGE * (TILE_N // 16) * self.tile_words * 4 // 16
         self.a_iters = (self.a_chunks + THREADS - 1) // THREADS
-        self.b_iters = (self.b_chunks + THREADS - 1) // THREADS
         self.smem_bytes = smem_bytes(block_m, bits, stages)
 
     @staticmethod
@@ -273,12 +272,12 @@ class TrellisGemm:
             dst = a_saddr + ((buf * self.m_pad + row) * A_ROW_HALVES + col * 8) * 2
             ptx.cp_async_16(dst, src, rAbytes[i])
 
-    def issue_b(self, ks, buf, b_gbase, b_saddr, tidx):
+    def issue_b(self, ks, buf, b_gbase, b_saddr, tidx, threads: int = THREADS):
         """cp.async the trellis words of pipeline stage `ks` (4 k-tiles x the N tile's 8
-        16-column tiles) into buffer `buf`."""
+        16-column tiles) into buffer `buf`, spread over the CTA's `threads` threads."""
         run_chunks = (TILE_N // 16) * self.tile_words * 4 // 16  # 16-B chunks of one k-tile's 8 tiles
-        for i in range(self.b_iters):
-            q = (tidx + THREADS * i) % self.b_chunks
+        for i in range((self.b_chunks + threads - 1) // threads):
+            q = (tidx + threads * i) % self.b_chunks
             kl = q // run_chunks
             within = q % run_chunks
             kt = ks * K_STEPS_PER_STAGE + kl
@@ -384,7 +383,12 @@ class TrellisGemm:
     def stage_words(self, sB, buf, kk, warp, widx, jj):
         """This lane's trellis words of tile (k step kk, 16-column tile 2*warp + jj) in
         stage buffer `buf`."""
-        tb = buf * self.b_stage_words + (kk * (TILE_N // 16) + warp * 2 + jj) * self.tile_words
+        return self.tile_words_at(sB, buf, kk, warp * 2 + jj, widx)
+
+    def tile_words_at(self, sB, buf, kk, n16, widx):
+        """This lane's trellis words of tile (k step kk, 16-column tile n16 of the N tile)
+        in stage buffer `buf`."""
+        tb = buf * self.b_stage_words + (kk * (TILE_N // 16) + n16) * self.tile_words
         return [sB[tb + w] for w in widx]
 
     def decode_stage(self, sB, buf, kk, warp, widx, q0, jj):

@@ -24,6 +24,7 @@ from typing import Optional
 from .compile_cache import CompileCache, CompileCacheMiss, default_cache
 from .kernels import build as kbuild
 from .kernels.moe import MoESpec
+from .kernels.trellis_wgmma import warpgroups as wgmma_warpgroups
 from .planners import GeometryVerdict, PlanEnv, arch_limits, check_resources, normalize_arch
 from .planners.plans import PlanPairLayout, plan_pair_layout
 from .planners.policy import ROUTE_BLOCK_SIZES, select_route_block_size_m
@@ -33,6 +34,14 @@ _PKG_ROOT = os.path.dirname(os.path.abspath(__file__))
 # Threads per block of each kernel in the object (for the register-file check).
 KERNEL_THREADS = {"TrellisGemm": 128, "RoutePack": 1024, "RotateInput": 128,
                   "MidActivation": 128, "CombineOutput": 128}
+
+
+def kernel_threads(spec: MoESpec, kernel: str) -> int:
+    """Threads per block of `kernel` in `spec`'s object (the wgmma GEMM has two warpgroups
+    when its work item holds more than 64 rows)."""
+    if kernel == "TrellisWgmma":
+        return 128 * wgmma_warpgroups(spec.block_m * spec.span)
+    return KERNEL_THREADS.get(kernel, 128)
 
 
 def source_files() -> list[str]:
@@ -78,6 +87,7 @@ class CompiledEntry:
 def get_specialization(spec: MoESpec, cache: Optional[CompileCache] = None):
     """The `CacheResult` of one specialization (value: a `CompiledEntry`)."""
     cache = cache or default_cache()
+    spec = spec.resolved()  # "auto" MMA / span: keyed and built as what they resolve to
     spec_dict = dataclasses.asdict(spec)
     arch = spec_dict.pop("arch")
 
@@ -94,6 +104,8 @@ def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> Geome
     """Static check, then compile (cached) and check measured resources on spec.arch."""
     limits = arch_limits(spec.arch)
     reason = spec.check(smem_limit=limits.smem_per_block_optin)
+    if reason is None:
+        spec = spec.resolved()
     if reason is not None:
         return GeometryVerdict(block_m=spec.block_m, ok=False, reason=reason)
     try:
@@ -108,7 +120,7 @@ def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> Geome
     for k in extra.get("kernels", []):
         r = check_resources(limits, smem_bytes=k["shared"], registers=k["registers"],
                             spills=k["stack"] + k["local"],
-                            threads=KERNEL_THREADS.get(k["kernel"], 128))
+                            threads=kernel_threads(spec, k["kernel"]))
         if r is not None:
             reasons.append(f"{k['kernel']}: {r}")
     return GeometryVerdict(block_m=spec.block_m, ok=not reasons,
@@ -164,6 +176,12 @@ class ForwardPlan:
 
     def describe(self, scratch_bytes=None) -> str:
         text = self.layout.describe(scratch_bytes=scratch_bytes)
+        specs = sorted(self.specs(), key=lambda s: s.block_m)
+        names = {"sync": "mma.sync", "wgmma": "async wgmma (decoded weights in registers)"}
+        text += "\n  GEMM: " + " / ".join(sorted({names[s.mma] for s in specs}))
+        spans = [f"M={s.block_m}: {s.span}" for s in specs if s.span > 1]
+        if spans:
+            text += f"; route blocks of one expert per work item: {', '.join(spans)}"
         if self.bands:
             text += ("\n  banded: above the threshold each call binds the policy's M at its own m "
                      f"among {sorted(self.bands)}")
@@ -176,24 +194,26 @@ def plan_forward(base: MoESpec, *, capacity: int, arch, env: PlanEnv,
     with `banded`, also every accepted size between them (see `ForwardPlan`)."""
     arch = normalize_arch(arch)
     base = base.replace(arch=arch)
+    if base.check() is None:  # the MMA kind is per arch: every plan of the layer shares it
+        base = base.replace(mma=base.resolved().mma)  # (the span stays per block size)
 
     def check(block_m: int) -> GeometryVerdict:
         return geometry_check(base.replace(block_m=block_m), cache)
 
     layout = plan_pair_layout(capacity, base.topk, base.num_experts, env, check)
-    decode_spec = base.replace(block_m=layout.decode.block_m)
+    decode_spec = base.replace(block_m=layout.decode.block_m).resolved()
     verdict = check(decode_spec.block_m)
     if not verdict.ok:
         raise ValueError(f"the decode specialization is not implementable: {verdict.reason}")
     decode = BoundPlan(decode_spec, get_specialization(decode_spec, cache).value)
     prefill = None
     if layout.prefill is not None:
-        pspec = base.replace(block_m=layout.prefill.block_m)
+        pspec = base.replace(block_m=layout.prefill.block_m).resolved()
         prefill = BoundPlan(pspec, get_specialization(pspec, cache).value)
     bands = {}
     if banded and prefill is not None:
         for size in ROUTE_BLOCK_SIZES:
             if decode_spec.block_m < size < prefill.spec.block_m and check(size).ok:
-                bspec = base.replace(block_m=size)
+                bspec = base.replace(block_m=size).resolved()
                 bands[size] = BoundPlan(bspec, get_specialization(bspec, cache).value)
     return ForwardPlan(layout, decode, prefill, bands)

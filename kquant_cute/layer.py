@@ -88,7 +88,9 @@ class MoELayer:
                  act_dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.float32,
                  activation: str = "silu", num_global_experts: Optional[int] = None,
                  arch: Optional[str] = None, stages: Optional[int] = None,
-                 occupancy: Optional[int] = None, environ=None, cache=None,
+                 occupancy: Optional[int] = None, mma: Optional[str] = None,
+                 span: Optional[int] = None,
+                 environ=None, cache=None,
                  banded: bool = False):
         if not isinstance(weights, MoEWeights):
             raise TypeError("weights must be a kquant_cute.weights.MoEWeights")
@@ -117,6 +119,10 @@ class MoELayer:
             base = base.replace(stages=stages)
         if occupancy is not None:
             base = base.replace(occupancy=occupancy)
+        if mma is not None:
+            base = base.replace(mma=mma)
+        if span is not None:
+            base = base.replace(span=span)
         if capacity > base.max_tokens():
             raise ValueError(f"capacity {capacity} > {base.max_tokens()} (32-bit scratch indexing)")
         self.plan: ForwardPlan = plan_forward(base, capacity=capacity, arch=arch, env=env,

@@ -20,19 +20,22 @@ def _row(tokens, m8, m32, peer=None):
 
 
 def test_table_columns_line_up_and_ratios_are_ours_over_peer():
-    lines = bench_moe.format_table([_row(1536, 2.0, 0.5, peer=2.0), _row(16, None, 0.4, 2.0)],
-                                   [8, 32], with_peer=True)
+    rows = [_row(1536, 2.0, 0.5, peer=2.0), _row(16, None, 0.4, 2.0)]
+    rows[0]["bitwise_equal"] = True
+    lines = bench_moe.format_table(rows, [8, 32], with_peer=True)
     assert len({line.count("|") for line in lines}) == 1  # header, rule and rows align
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells[:5] == ["1536", "2.000", "0.500", "1.000 (32)", "0.500 (32)"]
-    assert cells[-4:] == ["0.50", "0.25", "2.00", "4.00"]  # plan/peer, banded/peer, /decode, M8/
+    assert cells[-5:] == ["0.50", "0.25", "2.00", "4.00", "yes"]  # plan/peer, banded/peer,
+    # /decode, M8/banded, every column's output bitwise equal
     assert lines[3].split("|")[2].strip() == "-"  # an M that did not bind
-    assert lines[3].rstrip(" |").endswith("-")  # no M8 -> no M8 ratio
+    assert [c.strip() for c in lines[3].strip(" |").split("|")][-2:] == ["-", "-"]  # no M8 ratio,
+    # no equality check recorded
 
 
 def test_table_without_peer_has_no_floor_columns():
     lines = bench_moe.format_table([_row(128, 1.0, 0.5)], [8, 32], with_peer=False)
-    assert "bf16 peer" not in lines[0] and lines[0].count("|") == lines[2].count("|") == 6
+    assert "bf16 peer" not in lines[0] and lines[0].count("|") == lines[2].count("|") == 7
 
 
 def test_one_command_runs_the_extra_k_tables(monkeypatch, tmp_path):

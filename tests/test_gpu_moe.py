@@ -17,14 +17,15 @@ E_SMALL, H_SMALL, I_SMALL, TOPK_SMALL = 12, 256, 256, 4
 
 
 def _layer(weights, *, topk, capacity, act_dtype=torch.bfloat16, activation="silu", pin=None,
-           num_global_experts=None):
+           num_global_experts=None, **knobs):
     from kquant_cute.layer import MoELayer
 
     env = {}
     if pin is not None:
         env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(pin), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
     return MoELayer(weights, topk=topk, capacity=capacity, act_dtype=act_dtype,
-                    activation=activation, num_global_experts=num_global_experts, environ=env)
+                    activation=activation, num_global_experts=num_global_experts, environ=env,
+                    **knobs)
 
 
 def _inputs(m, hidden, topk, num_experts, dtype, seed, *, ids=None):
@@ -49,10 +50,17 @@ def _rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+def _needs_sm90(mma):
+    if mma.startswith("wgmma") and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs an sm_90 GPU")
+
+
+@pytest.mark.parametrize("mma", ["sync", "wgmma"])
 @pytest.mark.parametrize("codebook", ["mcg", "3inst", "mul1"])
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
-def test_decode_bit_exact_through_gemm(codebook, bits):
+def test_decode_bit_exact_through_gemm(codebook, bits, mma):
     """Identity activations make the GEMM output the decoded weights exactly."""
+    _needs_sm90(mma)
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -60,6 +68,7 @@ def test_decode_bit_exact_through_gemm(codebook, bits):
 
     from kquant_cute import trellis
     from kquant_cute.kernels.trellis_gemm import TrellisGemm
+    from kquant_cute.kernels.trellis_wgmma import TrellisWgmma
 
     k_dim, n_dim, block_m = 128, 256, 16
     g = torch.Generator().manual_seed(bits * 7 + len(codebook))
@@ -70,14 +79,19 @@ def test_decode_bit_exact_through_gemm(codebook, bits):
     blocks = torch.zeros(k_dim // block_m, dtype=torch.int32, device="cuda")
     num = torch.tensor([k_dim], dtype=torch.int32, device="cuda")
     out = torch.full((k_dim, n_dim), float("nan"), device="cuda")
-    gemm = TrellisGemm(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
-                       topk=1, a_rows_per_token=False)
+    Gemm = TrellisWgmma if mma == "wgmma" else TrellisGemm
+    gemm = Gemm(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
+                topk=1, a_rows_per_token=False, stages=4)
 
     def P(t, dt):
         return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
+    groups = [P(blocks, cutlass.Int32), P(num, cutlass.Int32)]
+    if mma == "wgmma":  # per-expert padded offsets and counts (read by spans only)
+        offsets = torch.tensor([0, k_dim], dtype=torch.int32, device="cuda")
+        groups += [P(offsets, cutlass.Int32), P(num, cutlass.Int32)]
     args = [P(a, cutlass.Float16), P(codes, cutlass.Int16), P(routes, cutlass.Int32),
-            P(blocks, cutlass.Int32), P(num, cutlass.Int32), P(out, cutlass.Float32),
+            *groups, P(out, cutlass.Float32),
             cutlass.Int32(k_dim), cutlass.Int32(k_dim), cutlass.Int32(k_dim // block_m),
             cuda.CUstream(torch.cuda.current_stream().cuda_stream)]
     fn = cute.compile(gemm, *args)
@@ -152,9 +166,13 @@ def test_codebooks_and_bits(codebook, bits):
     assert _rel_err(out, ref) < 1e-2
 
 
-def test_edge_routings_and_bitwise_equal_across_block_sizes():
+@pytest.mark.parametrize("mma", ["auto", "sync", "wgmma", "wgmma-span"])
+def test_edge_routings_and_bitwise_equal_across_block_sizes(mma):
     """Zero-route experts, all routes on one expert, counts not multiple of M; every M
-    gives the bitwise-identical output of M = 8."""
+    gives the bitwise-identical output of M = 8. auto: the plans' default (wgmma with spans
+    of 2 blocks at M=32 on sm_90); wgmma: no spans; wgmma-span: every M with the widest
+    span (up to 128 rows per work item), against plain wgmma at M = 8."""
+    _needs_sm90(mma)
     from kquant_cute.reference import reference_moe
     from kquant_cute.weights import MoEWeights
 
@@ -166,22 +184,32 @@ def test_edge_routings_and_bitwise_equal_across_block_sizes():
         "one_expert": torch.full((m, TOPK_SMALL), 3, dtype=torch.int32, device="cuda"),
         "two_experts": (torch.arange(m * TOPK_SMALL, device="cuda") % 2 * 7).view(m, TOPK_SMALL).to(torch.int32),
     }
-    layers = {M: _layer(wts, topk=TOPK_SMALL, capacity=m, pin=M) for M in (8, 16, 32, 48, 64)}
+    if mma == "wgmma-span":
+        layers = {(8, 1): _layer(wts, topk=TOPK_SMALL, capacity=m, pin=8, mma="wgmma")}
+        layers.update({(M, min(4, 128 // M)): _layer(wts, topk=TOPK_SMALL, capacity=m, pin=M,
+                                                     mma="wgmma", span=min(4, 128 // M))
+                       for M in (8, 16, 32, 48, 64)})
+    elif mma == "auto":
+        layers = {(M, 0): _layer(wts, topk=TOPK_SMALL, capacity=m, pin=M)
+                  for M in (8, 16, 32, 48, 64)}
+    else:
+        layers = {(M, 1): _layer(wts, topk=TOPK_SMALL, capacity=m, pin=M, mma=mma, span=1)
+                  for M in (8, 16, 32, 48, 64)}
     for name, ids in cases.items():
         x, ids, w = _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=17, ids=ids)
         ref = reference_moe(x, ids, w, wts, dtype=torch.float64)
         base = None
-        for M, layer in layers.items():
+        for (M, span), layer in layers.items():
             bound = layer.bind(x, ids, w)
             assert bound.block_m == M
             layer.output.fill_(float("nan"))
             out = bound.run().clone()
             torch.cuda.synchronize()
-            assert _rel_err(out, ref) < 1e-2, f"{name} M={M}"
+            assert _rel_err(out, ref) < 1e-2, f"{name} M={M} span={span}"
             if base is None:
                 base = out
             else:
-                assert torch.equal(out, base), f"{name}: M={M} differs from M=8"
+                assert torch.equal(out, base), f"{name}: M={M} span={span} differs from M=8"
 
 
 def test_expert_map_skips_remote_experts():
@@ -259,14 +287,18 @@ def test_cuda_graph_decode_replay_bitwise_equal_to_eager():
         assert torch.equal(layer.output[:m], eager)
 
 
-def test_brief_geometry_1536_tokens():
+@pytest.mark.parametrize("mma", ["auto", "sync", "wgmma", "wgmma-span"])
+def test_brief_geometry_1536_tokens(mma):
     """Kimi-K3 TP8 shard: E=896, H=3584, I=384, top-16, K=4, mcg, bf16, SiTU, shared vectors."""
+    _needs_sm90(mma)
     from kquant_cute.reference import reference_moe
     from kquant_cute.weights import MoEWeights
 
     wts = MoEWeights.random(896, 3584, 384, 4, "mcg", shared_hidden_vectors=True, seed=0,
                             device="cuda")
-    layer = _layer(wts, topk=16, capacity=1536, activation="situ")
+    knobs = {"auto": {}, "sync": {"mma": "sync"}, "wgmma": {"mma": "wgmma", "span": 1},
+             "wgmma-span": {"mma": "wgmma", "span": 2}}[mma]
+    layer = _layer(wts, topk=16, capacity=1536, activation="situ", **knobs)
     x, ids, w = _inputs(1536, 3584, 16, 896, torch.bfloat16, seed=1)
     out = _run(layer, x, ids, w)
     assert not torch.isnan(out).any()

@@ -15,7 +15,6 @@ import pytest
 from kquant_cute.compile_cache import CompileCache
 from kquant_cute.compiler import geometry_check, plan_forward
 from kquant_cute.kernels.build import find_cuobjdump
-from kquant_cute.kernels.trellis_gemm import smem_bytes
 from kquant_cute.planners import arch_limits, resolve_env
 from kquant_cute.prewarm import DEFAULT_GEOMETRY
 
@@ -45,11 +44,13 @@ def test_default_geometry_compiles_for_every_block(arch, cache):
         assert verdict.spills == 0
         assert verdict.smem_bytes <= limits.smem_per_block_optin
         kernels = {k["kernel"]: k for k in _resources(spec, cache)["kernels"]}
-        assert set(kernels) == {"TrellisGemm", "RoutePack", "RotateInput", "MidActivation",
+        # sm_90a builds the wgmma GEMM (spans of 2 blocks at M=32), other archs mma.sync.
+        name = "TrellisWgmma" if arch == "sm_90a" else "TrellisGemm"
+        assert set(kernels) == {name, "RoutePack", "RotateInput", "MidActivation",
                                 "CombineOutput"}
-        gemm = kernels["TrellisGemm"]
+        gemm = kernels[name]
         # The GEMM's shared memory is its cp.async ring: measured static + dynamic bytes.
-        assert gemm["shared"] >= smem_bytes(m, spec.bits, spec.stages)
+        assert gemm["shared"] >= spec.dynamic_smem()[name]
         gemm_regs[m] = gemm["registers"]
     assert 8 in gemm_regs, f"{arch}: the decode block M=8 must compile"
     # Wider blocks hold more accumulators: the register count grows with M.
@@ -103,3 +104,36 @@ def test_banded_plan_binds_the_policy_choice_per_call(cache):
     assert picks == {1: 8, 256: 8, 257: 8, 512: 16, 1536: 32, 2048: 48, 4096: 64}
     assert {m: pair.plan_for(m).spec.block_m for m in (256, 257, 512)} == {256: 8, 257: 64, 512: 64}
     assert "banded" in banded.describe()
+
+
+def test_mma_kind_resolves_per_arch_and_wgmma_compiles_at_every_span(cache):
+    """"auto" is wgmma (spans of 2 blocks at M=32) on sm_90a and mma.sync elsewhere; an
+    explicit wgmma elsewhere is rejected. The wgmma GEMM compiles with no spills at every
+    block size and span, with two warpgroups once a work item holds more than 64 rows, and
+    at M=64 without spans it needs fewer registers than mma.sync (no 16-row padding of the
+    accumulators, which live on the weight side)."""
+    from kquant_cute.compiler import kernel_threads
+    from kquant_cute.kernels.trellis_wgmma import smem_bytes as wgmma_smem
+
+    spec90 = DEFAULT_GEOMETRY.replace(arch="sm_90a")
+    assert [(spec90.replace(block_m=m).resolved().mma, spec90.replace(block_m=m).resolved().span)
+            for m in BLOCKS] == [("wgmma", 1), ("wgmma", 1), ("wgmma", 2), ("wgmma", 1), ("wgmma", 1)]
+    spec120 = DEFAULT_GEOMETRY.replace(arch="sm_120a", block_m=64).resolved()
+    assert (spec120.mma, spec120.span) == ("sync", 1)
+    assert "needs sm_90a" in DEFAULT_GEOMETRY.replace(arch="sm_120a", mma="wgmma").check()
+    assert "needs mma 'wgmma'" in spec90.replace(mma="sync", span=2).check()
+    assert "rows > 128" in spec90.replace(mma="wgmma", block_m=64, span=4).check()
+    regs = {}
+    for m, span in [(8, 1), (8, 4), (16, 4), (32, 1), (32, 4), (48, 2), (64, 1), (64, 2)]:
+        spec = spec90.replace(block_m=m, mma="wgmma", span=span)
+        verdict = geometry_check(spec, cache)
+        assert verdict.ok, (m, span, verdict.reason)
+        gemm = {k["kernel"]: k for k in _resources(spec, cache)["kernels"]}["TrellisWgmma"]
+        assert gemm["local"] == 0 and gemm["stack"] == 0
+        assert gemm["shared"] >= wgmma_smem(m, spec.bits, spec.stages, span)
+        assert kernel_threads(spec, "TrellisWgmma") == (256 if m * span > 64 else 128)
+        regs[m, span] = gemm["registers"]
+    sync64 = {k["kernel"]: k for k in _resources(spec90.replace(block_m=64, mma="sync"),
+                                                  cache)["kernels"]}["TrellisGemm"]["registers"]
+    assert regs[64, 1] < sync64
+    assert regs[8, 1] < regs[64, 1]

@@ -1,0 +1,326 @@
+"""sm_90a trellis grouped GEMM: decoded weights as the register A operand of async wgmma
+(the default GEMM on sm_90a, `MoESpec.mma`; other archs use `TrellisGemm`'s mma.sync).
+
+Owns `TrellisWgmma`. Same contract, layouts and work items as `TrellisGemm` (route block
+of `block_m` rows x 128-column N tile), computed transposed: out^T = W_hat^T A^T.
+- A operand (m64 x k16, registers): 64 output columns of W_hat^T. A decoded 16x16 trellis
+  tile is this lane's m16n8k16 B fragment of W_hat, which is the A fragment of W_hat^T
+  with the middle two registers swapped (h0, h2, h1, h3).
+- B operand (k16 x n, shared memory, K-major, 128-byte swizzle): the work item's
+  activation rows, n = its rows (no padding to 16). Row r of a 64-k stage is 128 bytes at
+  r * 128, its 16-byte chunk c stored at chunk c ^ (r % 8), so the 8 threads of a quarter
+  warp that copy one row's 128 global bytes hit 8 distinct bank groups. (Unswizzled
+  8 x 16-byte core matrices put all 8 in the same 4 banks: on the H200 the activation
+  copies then cost 0.65 ms of a 4,096-token forward, with the swizzle 0.14.)
+- Accumulators: two m64 x n fp32 tiles (output columns 0..63 and 64..127), block_m
+  registers per thread.
+Spans (`span` > 1): one work item covers `span` consecutive route blocks of one expert
+(rows = span x block_m, the wgmma n), so an expert with up to that many routed rows is
+decoded once per N tile instead of once per block. The leader CTA of a span (the block
+whose index within its expert's blocks is a multiple of `span`) does the work; the others
+exit. With rows > 64 the CTA has two warpgroups, each owning 64 of the 128 columns (one
+m64 wgmma per k step), so accumulators stay at rows / 2 per thread.
+Real rows are a prefix of the work item (per-expert counts from the route pack): rows past
+them are neither copied nor stored, and the wgmma n is the smallest of `n_variants`
+(multiples of 16) that covers them, one main-loop copy per variant.
+Each k step: wait until the group two steps back has finished (its A registers are
+free), decode the warp's tiles, fence, async wgmma, commit. Stage buffers are refilled
+only after every wgmma of the previous stage has finished (a drain at each stage top;
+refilling mid-stage instead made ptxas serialize the wgmmas, C7513).
+Bitwise equality across block sizes and spans holds within this kernel (same k order,
+same wgmma shape per k step); it does not hold between this kernel and mma.sync, so the
+plans of one layer always share the MMA kind.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from . import ptx
+from .trellis_gemm import (K_STEPS_PER_STAGE, NUM_WARPS, THREADS, TILE_N, TrellisGemm,
+                           b_stage_bytes, decode_lane_tile, lane_words)
+
+CORE_ROWS = 8  # rows of a wgmma core matrix (the swizzle period)
+CORE_BYTES = 128  # 8 rows x 16 bytes
+ROW_GROUP_BYTES = 8 * CORE_BYTES  # 8 rows of one 64-k stage (one 128-byte swizzle atom)
+OUT_ROW_FLOATS = TILE_N + 4  # padded fp32 row of the transposed epilogue tile
+
+
+SPANS = (1, 2, 4)
+MAX_SPAN_ROWS = 128  # wgmma n of one work item (accumulators: rows / 2 per thread)
+
+
+def a_stage_bytes(rows: int) -> int:
+    return rows * (16 * K_STEPS_PER_STAGE) * 2
+
+
+def default_span(block_m: int) -> int:
+    """The span a plan uses when none is pinned: 2 at M=32 (one warpgroup, 64 rows), else 1.
+    H200, whole layer: 1,536 tokens M=32 x 1 / x 2: 1.536 / 1.475 ms of kernels. Work
+    items of more than 64 rows (two warpgroups, two CTAs per SM) win at 4,096 tokens (M=48
+    x 2: 2.57 ms) but lose wherever few rows are real (M=64 x 2 at 512 tokens: 1.67 ms,
+    M=16: 1.13), and the plan pair runs its capacity's M=64 from 257 tokens up."""
+    return 2 if block_m == 32 else 1
+
+
+def warpgroups(rows: int) -> int:
+    """Warpgroups per CTA: two (64 columns each) once one would hold > 32 accumulators."""
+    return 2 if rows > 64 else 1
+
+
+def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1) -> int:
+    """The activation ring (reused by the epilogue's [rows, 132] fp32 tile) + B ring."""
+    rows = span * block_m
+    a_region = max(stages * a_stage_bytes(rows), rows * OUT_ROW_FLOATS * 4)
+    return a_region + stages * b_stage_bytes(bits)
+
+
+def check_span(block_m: int, span: int) -> str | None:
+    """None when `span` route blocks of `block_m` rows make a valid work item."""
+    if span not in SPANS:
+        return f"span {span} not in {SPANS}"
+    if span * block_m > MAX_SPAN_ROWS:
+        return f"span {span} x block_m {block_m} = {span * block_m} rows > {MAX_SPAN_ROWS}"
+    return None
+
+
+def smem_descriptor_sw128(saddr) -> Int64:
+    """wgmma matrix descriptor of a K-major k16 x n operand in the 128-byte swizzle layout:
+    row n of a 64-k stage is 128 contiguous bytes (row-group atoms of 8 rows, 1024 bytes
+    apart, 1024-aligned), its 16-byte chunk c stored at chunk c ^ (n % 8). A k step kk
+    starts 32 * kk bytes into the atom; the hardware applies the XOR on address bits."""
+    return (Int64((saddr >> 4) & 0x3FFF) | Int64(1 << 16)
+            | Int64((ROW_GROUP_BYTES >> 4) << 32) | Int64(1 << 62))
+
+
+class TrellisWgmma:
+    """One specialization of the wgmma trellis grouped GEMM (see module docstring)."""
+
+    def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
+                 topk: int, a_rows_per_token: bool, stages: int, min_ctas_per_sm: int = 1,
+                 span: int = 1):
+        reason = check_span(block_m, span)
+        if reason is not None:
+            raise ValueError(reason)
+        # The mma.sync GEMM owns the shared parts: validity, trellis ring, decode plan.
+        self.g = TrellisGemm(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
+                             codebook=codebook, topk=topk, a_rows_per_token=a_rows_per_token,
+                             stages=stages, min_ctas_per_sm=min_ctas_per_sm)
+        self.block_m = block_m
+        self.span = span
+        self.rows = span * block_m  # wgmma n: activation rows of one work item
+        self.warpgroups = warpgroups(self.rows)
+        self.threads = THREADS * self.warpgroups
+        self.num_warps = NUM_WARPS * self.warpgroups
+        self.m64_per_wg = 2 // self.warpgroups  # m64 x n accumulator tiles per warpgroup
+        self.n_acc = self.rows // 2  # fp32 accumulators per thread per m64 tile
+        self.a_stage = a_stage_bytes(self.rows)
+        self.a_chunks = self.rows * (K_STEPS_PER_STAGE * 16 * 2 // 16)  # 16-B copies per stage
+        self.a_iters = (self.a_chunks + self.threads - 1) // self.threads
+        self.route_regs = (self.rows + 31) // 32  # epilogue route ids per lane
+        # wgmma n per work item: the smallest of these >= its real rows (one main-loop copy
+        # each), so padding rows past the last 16-row group cost no MMA.
+        self.n_variants = tuple(sorted({min(16 * i, self.rows)
+                                        for i in range(1, (self.rows + 15) // 16 + 1)}))
+        self.a_region = max(stages * self.a_stage, self.rows * OUT_ROW_FLOATS * 4)
+        self.smem_bytes = smem_bytes(block_m, bits, stages, span)
+
+    @cute.jit
+    def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
+                 pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOffsets: cute.Pointer,
+                 pCounts: cute.Pointer, pOut: cute.Pointer, n_routes: Int32, zero_row: Int32,
+                 max_blocks: Int32, stream):
+        self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOffsets, pCounts, pOut,
+                    n_routes, zero_row).launch(
+            grid=[max_blocks * self.g.n_tiles, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
+            stream=stream, min_blocks_per_mp=self.g.min_ctas_per_sm, preferred_smem_carveout=100)
+
+    @cute.jit
+    def issue_a(self, ks, buf, a_gaddr, a_saddr, rAsrc, tidx):
+        """cp.async the work item's activation rows of stage `ks` into core-matrix order."""
+        g = self.g
+        for i in cutlass.range_constexpr(self.a_iters):
+            q = (tidx + self.threads * i) % self.a_chunks
+            row = q // 8
+            kc = q % 8
+            src = a_gaddr + (rAsrc[i] * g.k_dim + ks * (16 * K_STEPS_PER_STAGE) + kc * 8) * 2
+            # 128-byte swizzle: the 8 threads of a quarter warp copy one row's 8 chunks
+            # (128 contiguous global bytes) to 8 distinct bank groups. (The unswizzled
+            # core-matrix order put all 8 in the same 4 banks.)
+            dst = (a_saddr + buf * self.a_stage + row * (16 * K_STEPS_PER_STAGE * 2)
+                   + ((kc ^ (row % CORE_ROWS)) * 16))
+            if rAsrc[i] >= 0:  # rows past the real ones are not copied (their outputs are
+                ptx.cp_async_16(dst, src)  # discarded; a wgmma column only feeds its own row)
+
+    def decode_a(self, sB, buf, kk, n16, widx, q0):
+        """A registers (W_hat^T fragment) of 16x16 tile (k step kk, output tile n16)."""
+        g = self.g
+        words = g.tile_words_at(sB, buf, kk, n16, widx)
+        h = decode_lane_tile(words, q0, g.bits, g.codebook)
+        return h[0], h[2], h[1], h[3]
+
+    @cute.kernel
+    def kernel(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
+               pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOffsets: cute.Pointer,
+               pCounts: cute.Pointer, pOut: cute.Pointer, n_routes: Int32, zero_row: Int32):
+        big = 1 << 30
+        mSorted = cute.make_tensor(pSorted, cute.make_layout(big))
+        mBlockExpert = cute.make_tensor(pBlockExpert, cute.make_layout(big))
+        mNumPadded = cute.make_tensor(pNumPadded, cute.make_layout(1))
+        mOffsets = cute.make_tensor(pOffsets, cute.make_layout(big))
+        mCounts = cute.make_tensor(pCounts, cute.make_layout(big))
+        a_gaddr = pA.toint()
+        b_gaddr = pB.toint()
+
+        smem = cutlass.memory.SmemAllocator()
+        sA = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.a_region), 1024)
+        sB = smem.allocate_tensor(Uint32, cute.make_layout(self.g.stages * self.g.b_stage_words), 128)
+        a_saddr = sA.iterator.toint()
+        b_saddr = sB.iterator.toint()
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        widx, q0 = lane_words(lane, self.g.bits)
+
+        num_blocks = mNumPadded[0] // self.block_m
+        total = num_blocks * self.g.n_tiles
+        rAsrc = cute.make_rmem_tensor((self.a_iters,), Int32)
+        rRoute = cute.make_rmem_tensor((self.route_regs,), Int32)
+        acc = cute.make_rmem_tensor((self.m64_per_wg, self.n_acc), Float32)
+        work = bidx
+        if work < total:
+            blk = work // self.g.n_tiles
+            nt = work - blk * self.g.n_tiles
+            expert = mBlockExpert[blk]
+            # Rows of this work item that hold real routes: a span's leader takes its
+            # expert's next `span` blocks; other blocks of the span exit.
+            lead = expert >= 0
+            # Real rows of this work item (a prefix): a span's leader takes its expert's
+            # next `span` blocks; other blocks of the span exit.
+            e_safe = cutlass.max(expert, 0)
+            j = blk - mOffsets[e_safe] // self.block_m
+            if cutlass.const_expr(self.span > 1):
+                lead = lead & (j % self.span == 0)
+            n_real = cutlass.max(cutlass.min(mCounts[e_safe] - j * self.block_m, self.rows), 1)
+            base = blk * self.block_m
+            for i in cutlass.range_constexpr(self.a_iters):
+                row = ((tidx + self.threads * i) % self.a_chunks) // 8
+                r = mSorted[base + cutlass.min(row, n_real - 1)]
+                a_row = r
+                if self.g.a_rows_per_token:
+                    a_row = r // self.g.topk
+                rAsrc[i] = Int32(cutlass.select_(row < n_real, a_row, -1))
+            for i in cutlass.range_constexpr(self.route_regs):
+                row = 32 * i + lane
+                r = mSorted[base + cutlass.min(row, n_real - 1)]
+                rRoute[i] = Int32(cutlass.select_(row < n_real, r, n_routes))
+            if lead:
+                acc.fill(0.0)
+                b_gbase = b_gaddr + self.g.b_tile_base(expert, nt)
+                self.dispatch(0, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr, acc,
+                              tidx, warp, widx, q0)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()  # the activation ring becomes the epilogue tile
+                self.store_tile(pOut.toint(), a_saddr, acc, rRoute, nt, warp, lane, n_routes)
+
+    @cute.jit
+    def dispatch(self, vi: cutlass.Constexpr, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase,
+                 b_saddr, acc, tidx, warp, widx, q0):
+        """`main_loop` for the smallest wgmma n of `n_variants` (from index vi) that covers
+        the run-time real row count `n_real`."""
+        n = self.n_variants[vi]
+        if cutlass.const_expr(vi == len(self.n_variants) - 1):
+            self.main_loop(n // 2, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr, acc, tidx,
+                           warp, widx, q0)
+        else:
+            if n_real <= n:
+                self.main_loop(n // 2, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr, acc,
+                               tidx, warp, widx, q0)
+            else:
+                self.dispatch(vi + 1, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr,
+                              acc, tidx, warp, widx, q0)
+
+    @cute.jit
+    def main_loop(self, n_acc: cutlass.Constexpr, sB, a_gaddr, a_saddr, rAsrc, b_gbase,
+                  b_saddr, acc, tidx, warp, widx, q0):
+        """The cp.async ring over the K stages with wgmma n = 2 * n_acc (the first n_acc
+        accumulators per m64 tile: a prefix of the columns)."""
+        for s in cutlass.range_constexpr(self.g.stages - 1):
+            if s < self.g.k_stages:
+                self.issue_a(s, s, a_gaddr, a_saddr, rAsrc, tidx)
+                self.g.issue_b(s, s, b_gbase, b_saddr, tidx, self.threads)
+            cute.arch.cp_async_commit_group()
+        for ks in range(self.g.k_stages):
+            self.wait_acc(acc, 0, n_acc)  # the previous stage's buffer is about to be refilled
+            cute.arch.cp_async_wait_group(self.g.stages - 2)
+            ptx.fence_proxy_async_smem()
+            cute.arch.sync_threads()
+            nxt = ks + self.g.stages - 1
+            if nxt < self.g.k_stages:
+                self.issue_a(nxt, nxt % self.g.stages, a_gaddr, a_saddr, rAsrc, tidx)
+                self.g.issue_b(nxt, nxt % self.g.stages, b_gbase, b_saddr, tidx, self.threads)
+            cute.arch.cp_async_commit_group()
+            self.mma_steps(sB, ks % self.g.stages, a_saddr, acc, warp, widx, q0, n_acc)
+        self.wait_acc(acc, 0, n_acc)
+
+    @cute.jit
+    def wait_acc(self, acc, pending: cutlass.Constexpr, n_acc: cutlass.Constexpr):
+        """wgmma.wait_group(pending), with the first n_acc accumulators of each m64 tile
+        passed through it."""
+        vals = ptx.wgmma_wait(pending, [acc[t, j] for t in range(self.m64_per_wg)
+                                        for j in range(n_acc)])
+        for t in cutlass.range_constexpr(self.m64_per_wg):
+            for j in cutlass.range_constexpr(n_acc):
+                acc[t, j] = vals[t * n_acc + j]
+
+    @cute.jit
+    def mma_steps(self, sB, buf, a_saddr, acc, warp, widx, q0, n_acc: cutlass.Constexpr):
+        """The k steps of stage buffer `buf`. Per k step: this warpgroup's m64 tiles t cover
+        output columns 64 * (wg * m64_per_wg + t) .. + 63; warp w of the group decodes their
+        16-column tile w; wgmma n = 2 * n_acc."""
+        wg = warp // NUM_WARPS
+        wq = warp % NUM_WARPS
+        for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
+            if cutlass.const_expr(kk >= 2):
+                self.wait_acc(acc, 1, n_acc)  # step kk - 2 read the registers reused here
+            frags = [self.decode_a(sB, buf, kk, (wg * self.m64_per_wg + t) * NUM_WARPS + wq,
+                                   widx, q0) for t in range(self.m64_per_wg)]
+            desc = smem_descriptor_sw128(a_saddr + buf * self.a_stage + kk * 32)
+            ptx.wgmma_fence()
+            for t in cutlass.range_constexpr(self.m64_per_wg):
+                a0, a1, a2, a3 = frags[t]
+                vals = ptx.wgmma_m64k16_f16_rs([acc[t, j] for j in range(n_acc)],
+                                               a0, a1, a2, a3, desc)
+                for j in cutlass.range_constexpr(n_acc):
+                    acc[t, j] = vals[j]
+            ptx.wgmma_commit()
+
+    @cute.jit
+    def store_tile(self, out_addr, s_addr, acc, rRoute, nt, warp, lane, n_routes):
+        """Transpose the m64 x rows accumulator tiles through shared memory into [route,
+        128 columns] rows, then each warp writes whole 512-byte route rows (route ids from
+        registers: lane l holds rows l, 32 + l, ...; padding rows carry n_routes)."""
+        gq = lane // 4
+        c = lane % 4
+        wg = warp // NUM_WARPS
+        wq = warp % NUM_WARPS
+        for t in cutlass.range_constexpr(self.m64_per_wg):
+            col0 = (wg * self.m64_per_wg + t) * 64 + wq * 16 + gq
+            for j in cutlass.range_constexpr(self.n_acc // 4):
+                for e in cutlass.range_constexpr(4):
+                    route = 8 * j + 2 * c + (e % 2)
+                    ptx.st_shared_f32(s_addr + (route * OUT_ROW_FLOATS + col0 + 8 * (e // 2)) * 4,
+                                      acc[t, 4 * j + e])
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(self.rows // self.num_warps):
+            reg = (self.num_warps * i) // 32  # rows num_warps*i .. +num_warps-1 share it
+            row = warp + self.num_warps * i
+            r = cute.arch.shuffle_sync(rRoute[reg], row - 32 * reg)
+            if r < n_routes:
+                ptx.copy_shared_to_global_16(
+                    out_addr + (Int64(r) * self.g.n_dim + nt * TILE_N + lane * 4) * 4,
+                    s_addr + (row * OUT_ROW_FLOATS + lane * 4) * 4)
