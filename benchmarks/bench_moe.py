@@ -142,6 +142,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 512, 1024, 1536, 4096])
     p.add_argument("--blocks", type=int, nargs="+", default=[8, 16, 32, 48, 64])
     p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--codebook", default="mcg", choices=["mcg", "3inst", "mul1"],
+                   help="trellis codebook of the random weights (the BRIEF's geometry: mcg)")
     p.add_argument("--extra-bits", type=int, nargs="*", default=[],
                    help="after the main table, one table per K here at 16 and 1,536 tokens, "
                         "M = 8 and 32 (the BRIEF's K = 2, 3 rows: --extra-bits 2 3)")
@@ -166,9 +168,9 @@ def main(argv=None):
     tables = {}
     for bits, tokens, blocks in jobs:
         t0 = time.time()
-        wts = MoEWeights.random(896, 3584, 384, bits, "mcg", shared_hidden_vectors=True,
+        wts = MoEWeights.random(896, 3584, 384, bits, a.codebook, shared_hidden_vectors=True,
                                 seed=0, device="cuda")
-        print(f"# {torch.cuda.get_device_name()}  K={bits} weights ready in "
+        print(f"# {torch.cuda.get_device_name()}  K={bits} {a.codebook} weights ready in "
               f"{time.time() - t0:.1f}s", flush=True)
         peer = decode = None
         if a.peer:
@@ -191,7 +193,8 @@ def main(argv=None):
         tables[bits] = rows
         del wts, peer, decode
         torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name(), "bits": a.bits, "rows": tables[a.bits]}
+    result = {"device": torch.cuda.get_device_name(), "bits": a.bits, "codebook": a.codebook,
+              "rows": tables[a.bits]}
     if a.extra_bits:
         result["extra"] = {str(b): tables[b] for b in a.extra_bits}
     if a.json:

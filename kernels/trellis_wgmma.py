@@ -12,8 +12,8 @@ of `block_m` rows x 128-column N tile), computed transposed: out^T = W_hat^T A^T
   warp that copy one row's 128 global bytes hit 8 distinct bank groups. (Unswizzled
   8 x 16-byte core matrices put all 8 in the same 4 banks: on the H200 the activation
   copies then cost 0.65 ms of a 4,096-token forward, with the swizzle 0.14.)
-- Accumulators: two m64 x n fp32 tiles (output columns 0..63 and 64..127), block_m
-  registers per thread.
+- Accumulators: two m64 x n fp32 tiles (output columns 0..63 and 64..127), n registers
+  per thread (n = the work item's rows; two warpgroups above 64 rows, below).
 Spans (`span` > 1): one work item covers `span` consecutive route blocks of one expert
 (rows = span x block_m, the wgmma n), so an expert with up to that many routed rows is
 decoded once per N tile instead of once per block. The leader CTA of a span (the block
@@ -139,7 +139,8 @@ class TrellisWgmma:
 
     @cute.jit
     def issue_a(self, ks, buf, a_gaddr, a_saddr, rAsrc, tidx):
-        """cp.async the work item's activation rows of stage `ks` into core-matrix order."""
+        """cp.async the work item's real activation rows of stage `ks` into swizzled buffer
+        `buf`."""
         g = self.g
         for i in cutlass.range_constexpr(self.a_iters):
             q = (tidx + self.threads * i) % self.a_chunks
@@ -196,11 +197,10 @@ class TrellisWgmma:
             blk = work // self.g.n_tiles
             nt = work - blk * self.g.n_tiles
             expert = mBlockExpert[blk]
-            # Rows of this work item that hold real routes: a span's leader takes its
-            # expert's next `span` blocks; other blocks of the span exit.
+            # A span's leader (block j of its expert, j a multiple of `span`) takes the
+            # expert's next `span` blocks; other blocks of the span exit. n_real: the
+            # work item's rows that hold real routes (a prefix), from the expert's count.
             lead = expert >= 0
-            # Real rows of this work item (a prefix): a span's leader takes its expert's
-            # next `span` blocks; other blocks of the span exit.
             e_safe = cutlass.max(expert, 0)
             j = blk - mOffsets[e_safe] // self.block_m
             if cutlass.const_expr(self.span > 1):
