@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import sys
 
 import torch
@@ -28,8 +29,8 @@ def main(argv=None):
     p.add_argument("--block-m", type=int, default=None)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--stages", type=int, default=None, help="pipeline stages")
-    p.add_argument("--mma", default=None, choices=["sync", "wgmma"],
-                   help="GEMM instruction (wgmma: sm_90a, experimental)")
+    p.add_argument("--mma", default=None, choices=["auto", "sync", "wgmma"],
+                   help="GEMM instruction (default auto: wgmma on sm_90, else mma.sync)")
     p.add_argument("--span", type=int, default=None,
                    help="wgmma: route blocks of one expert per work item (1, 2, 4)")
     p.add_argument("--occupancy", type=int, default=None, help="GEMM register target (CTAs/SM)")
@@ -67,7 +68,11 @@ def main(argv=None):
                 for key in ("TrellisGemm", "TrellisWgmma", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
                     if key in name:
                         # GEMM specializations differ by their trailing index (FC1 vs FC2).
-                        name = key + (name[-3:] if key.startswith("Trellis") else "")
+                        idx = re.search(r"(\d+)$", name)
+                        if key.startswith("Trellis") and idx:
+                            name = f"{key} #{idx.group(1)}"
+                        else:
+                            name = key
                         break
                 totals[name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
         total = sum(totals.values()) / a.reps
