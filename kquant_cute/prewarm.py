@@ -108,6 +108,9 @@ class PrewarmRecord:
     cache: CacheAnswer = None
     key: Optional[str] = None
     kernel: str = ""
+    #: The GEMM of the specialization: "wgmma" or "sync", and route blocks per work item.
+    mma: str = ""
+    span: int = 0
 
     @property
     def needed(self) -> bool:
@@ -167,6 +170,12 @@ class ArchPrewarm:
         if self.layout is None:
             return f"{head} no plan: {self.error}"
         text = f"{head} {self.layout.describe()}"
+        bound = [r for r in self.records if r.needed and r.mma]
+        if bound:
+            names = {"sync": "mma.sync", "wgmma": "async wgmma"}
+            text += ("\n  GEMM: " + ", ".join(f"M={r.block_m} {names.get(r.mma, r.mma)}"
+                                               + (f" x {r.span} route blocks per work item"
+                                                  if r.span > 1 else "") for r in bound))
         if self.error:
             text += f"\n  error: {self.error}"
         return text
@@ -278,7 +287,8 @@ def spec_bound(base: MoESpec, capacity: int, env: PlanEnv) -> int:
 
 
 def _record(arch: str, verdict: GeometryVerdict, role: Role, outcome: Optional[_Outcome],
-            kernel: str) -> PrewarmRecord:
+            spec: MoESpec) -> PrewarmRecord:
+    spec = spec.resolved()
     extra = outcome.extra if outcome is not None else {}
     answer = outcome.answer if outcome is not None else None
     status: Status
@@ -306,7 +316,9 @@ def _record(arch: str, verdict: GeometryVerdict, role: Role, outcome: Optional[_
         seconds=round(outcome.seconds, 3) if outcome is not None else 0.0,
         cache=answer,  # type: ignore[arg-type]
         key=outcome.key if outcome is not None else None,
-        kernel=kernel,
+        kernel=spec.kernel_name(),
+        mma=spec.mma,
+        span=spec.span,
     )
 
 
@@ -337,7 +349,7 @@ def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv,
     decode_m = layout.decode.block_m
     decode_verdict = geometry_check(spec.replace(block_m=decode_m), rcache)  # memoised
     decode = _record(arch, decode_verdict, "decode", rec.outcomes.get(decode_m),
-                     spec.replace(block_m=decode_m).kernel_name())
+                     spec.replace(block_m=decode_m))
     records.append(decode)
     prefill_m = layout.prefill.block_m if layout.prefill is not None else None
     for verdict in layout.decisions:
@@ -347,7 +359,7 @@ def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv,
         if verdict.block_m == decode_m and not verdict.ok:
             continue  # the decode record already reports M=8's rejection
         records.append(_record(arch, verdict, role, rec.outcomes.get(verdict.block_m),
-                               spec.replace(block_m=verdict.block_m).kernel_name()))
+                               spec.replace(block_m=verdict.block_m)))
     return ArchPrewarm(arch=arch, layout=layout, records=records, error=error)
 
 

@@ -40,7 +40,7 @@ SMALL_SPEC = DEFAULT_GEOMETRY.replace(num_experts=8, hidden=256, intermediate=25
 CLEAN_ENV = ("KQUANT_COMPILE_CACHE_DIR", "KQUANT_COMPILE_FREEZE", ENV_PREFILL_BLOCK_M,
              ENV_PREFILL_MIN_M, *KEYED_ENV_VARS)
 RECORD_KEYS = {"arch", "block_m", "role", "status", "reason", "registers", "shared_bytes",
-               "spill_bytes", "seconds"}
+               "spill_bytes", "seconds", "kernel", "mma", "span"}
 
 
 def run_main(argv: list[str]) -> tuple[int, str, str]:
@@ -90,6 +90,8 @@ def test_cold_run_compiles_decode_and_prefill(warm: dict[str, Any]) -> None:
     }
     assert "totals: 4 compiled, 0 cached, 0 rejected, 0 failed (builds this run: 4)" in warm["out"]
     assert "[sm_90a] W4A16 MoE plans" in warm["out"] and "prefill M=64" in warm["out"]
+    assert "GEMM: M=8 async wgmma, M=64 async wgmma" in warm["out"]
+    assert "GEMM: M=8 mma.sync, M=64 mma.sync" in warm["out"]
     assert warm["err"].count("compiled (") == 4  # non-TTY progress: one line per spec
     assert "\r" not in warm["err"]
     assert len(list(warm["dir"].glob("*.json"))) == 4
@@ -111,6 +113,10 @@ def test_warm_subprocess_json_all_cached(warm: dict[str, Any]) -> None:
     assert {(r["arch"], r["block_m"], r["role"]) for r in records} == {
         ("sm_90a", 8, "decode"), ("sm_90a", 64, "prefill"),
         ("sm_120a", 8, "decode"), ("sm_120a", 64, "prefill")}
+    # The GEMM per arch: async wgmma on sm_90a, mma.sync elsewhere (one route block each).
+    assert {(r["arch"], r["mma"], r["span"]) for r in records} == {
+        ("sm_90a", "wgmma", 1), ("sm_120a", "sync", 1)}
+    assert all(r["kernel"].endswith(("_wgmma_sm_90a", "_s4_sm_120a")) for r in records)
     assert "0 compiled, 4 cached" in proc.stderr and "(builds this run: 0)" in proc.stderr
     assert {p.name: p.stat().st_mtime_ns for p in warm["dir"].glob("*.bin")} == before
 

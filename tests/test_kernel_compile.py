@@ -89,6 +89,15 @@ def test_static_rejections_name_the_reason():
     assert "bits" in spec.replace(bits=7).check()
     assert "no mma decode path" in spec.replace(codebook="sqg_e4m3", bits=4).check()
     assert "stages" in spec.replace(stages=1).check()
+    assert "mma 'mfma' not in" in spec.replace(mma="mfma").check()
+    assert "span must be an int >= 0" in spec.replace(mma="wgmma", span=-1).check()
+    assert "span 3 not in" in spec.replace(mma="wgmma", span=3).check()
+    assert "needs sm_90a" in spec.replace(arch="sm_120a", mma="wgmma").check()
+    # "auto" resolves by arch; the resolved spec names and keys the object.
+    assert spec.resolved().mma == "wgmma" and spec.replace(arch="sm_120a").resolved().mma == "sync"
+    assert spec.replace(block_m=32).kernel_name().endswith("_wgmma_x2_sm_90a")
+    resolved = spec.resolved()
+    assert resolved.resolved() is resolved and resolved != spec  # concrete: a fixed point
     assert spec.check() is None
 
 
