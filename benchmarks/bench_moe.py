@@ -21,12 +21,7 @@ import time
 
 import torch
 
-from peers import capture, graph_median_ms
-
-
-def balanced_ids(m, topk, num_experts, gen):
-    scores = torch.rand(m, num_experts, generator=gen, device="cuda")
-    return scores.topk(topk, dim=1).indices.to(torch.int32).contiguous()
+from peers import capture, graph_median_ms, random_tokens
 
 
 def time_layer(layer, m, sets=4, iters=50, warmup=5):
@@ -35,8 +30,7 @@ def time_layer(layer, m, sets=4, iters=50, warmup=5):
     gen = torch.Generator(device="cuda").manual_seed(m)
     inputs = []
     for _ in range(sets):
-        x = torch.randn(m, H, generator=gen, device="cuda").to(torch.bfloat16)
-        ids = balanced_ids(m, topk, E, gen)
+        x, ids = random_tokens(m, H, E, topk, gen)
         w = torch.rand(m, topk, generator=gen, device="cuda")
         inputs.append((x, ids, (w / w.sum(1, keepdim=True)).float().contiguous()))
     graphs = []
@@ -60,8 +54,7 @@ def peer_and_floors(peer, wts, m, ceilings, decode=None, iters=30):
     `decode`) the measured decode-only ceiling for m tokens."""
     H, I, E = wts.hidden, wts.intermediate, wts.num_experts
     gen = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, H, generator=gen, device="cuda").to(torch.bfloat16)
-    ids = balanced_ids(m, 16, E, gen)
+    x, ids = random_tokens(m, H, E, 16, gen)
     w = torch.full((m, 16), 1 / 16, device="cuda")
     peer_ms = graph_median_ms([capture(lambda: peer(x, ids, w))], iters)
     experts = torch.unique(ids)

@@ -7,6 +7,7 @@
   (`kernels/decode_ceiling.py`) over the touched experts of all three projections,
   graph-replayed.
 - `measure_copy_bandwidth()`, `measure_bf16_matmul_rate()`: the ceilings the floors use.
+- `random_tokens`, `capture`, `graph_median_ms`: the benchmarks' inputs and graph timing.
 """
 
 from __future__ import annotations
@@ -126,6 +127,14 @@ class DecodeCeiling:
                                 stream)
 
         return graph_median_ms([capture(run)], iters)
+
+
+def random_tokens(m: int, hidden: int, num_experts: int, topk: int, gen):
+    """m random bf16 tokens and their balanced random routing (top-k of uniform scores),
+    drawn in that order from the CUDA generator `gen`."""
+    x = torch.randn(m, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    scores = torch.rand(m, num_experts, generator=gen, device="cuda")
+    return x, scores.topk(topk, dim=1).indices.to(torch.int32).contiguous()
 
 
 def capture(fn) -> "torch.cuda.CUDAGraph":

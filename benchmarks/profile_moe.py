@@ -21,6 +21,9 @@ import torch
 
 
 def main(argv=None):
+    from peers import random_tokens
+
+    from kquant_cute.kernels.build import short_kernel_name
     from kquant_cute.layer import MoELayer
     from kquant_cute.weights import MoEWeights
 
@@ -43,9 +46,7 @@ def main(argv=None):
             env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(a.block_m), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
         layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env,
                          stages=a.stages, occupancy=a.occupancy, mma=a.mma, span=a.span)
-        g = torch.Generator(device="cuda").manual_seed(m)
-        x = torch.randn(m, 3584, generator=g, device="cuda").to(torch.bfloat16)
-        ids = torch.rand(m, 896, generator=g, device="cuda").topk(16, dim=1).indices.to(torch.int32).contiguous()
+        x, ids = random_tokens(m, 3584, 896, 16, torch.Generator(device="cuda").manual_seed(m))
         w = torch.full((m, 16), 1 / 16, device="cuda")
         bound = layer.bind(x, ids, w)
         for _ in range(3):
@@ -64,16 +65,11 @@ def main(argv=None):
         totals = collections.Counter()
         for ev in prof.events():
             if ev.device_type == torch.autograd.DeviceType.CUDA:
-                name = ev.name
-                for key in ("TrellisGemm", "TrellisWgmma", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
-                    if key in name:
-                        # GEMM specializations differ by their trailing index (FC1 vs FC2).
-                        idx = re.search(r"(\d+)$", name)
-                        if key.startswith("Trellis") and idx:
-                            name = f"{key} #{idx.group(1)}"
-                        else:
-                            name = key
-                        break
+                name = short_kernel_name(ev.name)
+                # GEMM specializations differ by their trailing index (FC1 vs FC2).
+                idx = re.search(r"(\d+)$", ev.name)
+                if name.startswith("Trellis") and idx:
+                    name = f"{name} #{idx.group(1)}"
                 totals[name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
         total = sum(totals.values()) / a.reps
         print(f"tokens={m} M={bound.block_m}: {total / 1000:.3f} ms of kernel time per forward")

@@ -38,7 +38,8 @@ class KernelResources:
     local: int
 
 
-def _short_kernel_name(raw: str) -> str:
+def short_kernel_name(raw: str) -> str:
+    """The kernel class a compiled (mangled) kernel name belongs to, e.g. "TrellisWgmma"."""
     for key in ("TrellisGemm", "TrellisWgmma", "TrellisDecode", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
         if key in raw:
             return key
@@ -81,7 +82,7 @@ def read_resources(cubin_path: str, dynamic_smem: dict | None = None) -> list[Ke
         rm = _RES_RE.search(line)
         if rm and name is not None:
             reg, stack, shared, local = map(int, rm.groups())
-            short = _short_kernel_name(name)
+            short = short_kernel_name(name)
             shared += (dynamic_smem or {}).get(short, 0)
             out.append(KernelResources(short, reg, stack, shared, local))
             name = None

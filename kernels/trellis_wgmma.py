@@ -43,8 +43,10 @@ from .trellis_gemm import (K_STEPS_PER_STAGE, NUM_WARPS, THREADS, TILE_N, Trelli
                            b_stage_bytes, decode_lane_tile, lane_words)
 
 CORE_ROWS = 8  # rows of a wgmma core matrix (the swizzle period)
-CORE_BYTES = 128  # 8 rows x 16 bytes
-ROW_GROUP_BYTES = 8 * CORE_BYTES  # 8 rows of one 64-k stage (one 128-byte swizzle atom)
+K_STEP_BYTES = 16 * 2  # one 16-wide k step of an fp16 activation row
+STAGE_ROW_BYTES = K_STEPS_PER_STAGE * K_STEP_BYTES  # one activation row of a stage
+ROW_GROUP_BYTES = CORE_ROWS * STAGE_ROW_BYTES  # 8 rows of a stage: one swizzle atom
+assert STAGE_ROW_BYTES == 128, "the 128-byte swizzle needs 64-k stages (one row = 128 B)"
 OUT_ROW_FLOATS = TILE_N + 4  # padded fp32 row of the transposed epilogue tile
 
 
@@ -53,7 +55,7 @@ MAX_SPAN_ROWS = 128  # wgmma n of one work item (accumulators: rows / 2 per thre
 
 
 def a_stage_bytes(rows: int) -> int:
-    return rows * (16 * K_STEPS_PER_STAGE) * 2
+    return rows * STAGE_ROW_BYTES
 
 
 def default_span(block_m: int) -> int:
@@ -117,7 +119,7 @@ class TrellisWgmma:
         self.m64_per_wg = 2 // self.warpgroups  # m64 x n accumulator tiles per warpgroup
         self.n_acc = self.rows // 2  # fp32 accumulators per thread per m64 tile
         self.a_stage = a_stage_bytes(self.rows)
-        self.a_chunks = self.rows * (K_STEPS_PER_STAGE * 16 * 2 // 16)  # 16-B copies per stage
+        self.a_chunks = self.rows * (STAGE_ROW_BYTES // 16)  # 16-B copies per stage
         self.a_iters = (self.a_chunks + self.threads - 1) // self.threads
         self.route_regs = (self.rows + 31) // 32  # epilogue route ids per lane
         # wgmma n per work item: the smallest of these >= its real rows (one main-loop copy
@@ -150,7 +152,7 @@ class TrellisWgmma:
             # 128-byte swizzle: the 8 threads of a quarter warp copy one row's 8 chunks
             # (128 contiguous global bytes) to 8 distinct bank groups. (The unswizzled
             # core-matrix order put all 8 in the same 4 banks.)
-            dst = (a_saddr + buf * self.a_stage + row * (16 * K_STEPS_PER_STAGE * 2)
+            dst = (a_saddr + buf * self.a_stage + row * STAGE_ROW_BYTES
                    + ((kc ^ (row % CORE_ROWS)) * 16))
             if rAsrc[i] >= 0:  # rows past the real ones are not copied (their outputs are
                 ptx.cp_async_16(dst, src)  # discarded; a wgmma column only feeds its own row)
@@ -289,7 +291,7 @@ class TrellisWgmma:
                 self.wait_acc(acc, 1, n_acc)  # step kk - 2 read the registers reused here
             frags = [self.decode_a(sB, buf, kk, (wg * self.m64_per_wg + t) * NUM_WARPS + wq,
                                    widx, q0) for t in range(self.m64_per_wg)]
-            desc = smem_descriptor_sw128(a_saddr + buf * self.a_stage + kk * 32)
+            desc = smem_descriptor_sw128(a_saddr + buf * self.a_stage + kk * K_STEP_BYTES)
             ptx.wgmma_fence()
             for t in cutlass.range_constexpr(self.m64_per_wg):
                 a0, a1, a2, a3 = frags[t]

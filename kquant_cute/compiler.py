@@ -36,6 +36,18 @@ KERNEL_THREADS = {"TrellisGemm": 128, "RoutePack": 1024, "RotateInput": 128,
                   "MidActivation": 128, "CombineOutput": 128}
 
 
+_GEMM_NAMES = {"sync": "mma.sync", "wgmma": "async wgmma"}
+
+
+def describe_gemm(plans) -> str:
+    """The "GEMM:" line of a describe(): per plan (block_m, mma, span), its MMA instruction
+    and, above 1, the route blocks of one expert per work item."""
+    return "GEMM: " + ", ".join(
+        f"M={block_m} {_GEMM_NAMES.get(mma, mma)}"
+        + (f" x {span} route blocks per work item" if span > 1 else "")
+        for block_m, mma, span in plans)
+
+
 def kernel_threads(spec: MoESpec, kernel: str) -> int:
     """Threads per block of `kernel` in `spec`'s object (the wgmma GEMM has two warpgroups
     when its work item holds more than 64 rows)."""
@@ -104,10 +116,9 @@ def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> Geome
     """Static check, then compile (cached) and check measured resources on spec.arch."""
     limits = arch_limits(spec.arch)
     reason = spec.check(smem_limit=limits.smem_per_block_optin)
-    if reason is None:
-        spec = spec.resolved()
     if reason is not None:
         return GeometryVerdict(block_m=spec.block_m, ok=False, reason=reason)
+    spec = spec.resolved()
     try:
         res = get_specialization(spec, cache)
     except CompileCacheMiss:
@@ -177,11 +188,7 @@ class ForwardPlan:
     def describe(self, scratch_bytes=None) -> str:
         text = self.layout.describe(scratch_bytes=scratch_bytes)
         specs = sorted(self.specs(), key=lambda s: s.block_m)
-        names = {"sync": "mma.sync", "wgmma": "async wgmma (decoded weights in registers)"}
-        text += "\n  GEMM: " + " / ".join(sorted({names[s.mma] for s in specs}))
-        spans = [f"M={s.block_m}: {s.span}" for s in specs if s.span > 1]
-        if spans:
-            text += f"; route blocks of one expert per work item: {', '.join(spans)}"
+        text += "\n  " + describe_gemm((s.block_m, s.mma, s.span) for s in specs)
         if self.bands:
             text += ("\n  banded: above the threshold each call binds the policy's M at its own m "
                      f"among {sorted(self.bands)}")
@@ -194,8 +201,9 @@ def plan_forward(base: MoESpec, *, capacity: int, arch, env: PlanEnv,
     with `banded`, also every accepted size between them (see `ForwardPlan`)."""
     arch = normalize_arch(arch)
     base = base.replace(arch=arch)
-    if base.check() is None:  # the MMA kind is per arch: every plan of the layer shares it
-        base = base.replace(mma=base.resolved().mma)  # (the span stays per block size)
+    # The MMA kind is per arch, so every plan of the layer shares it (bitwise equality
+    # across M); the span stays "auto" here and resolves per block size.
+    base = base.replace(mma=base.resolved().mma)
 
     def check(block_m: int) -> GeometryVerdict:
         return geometry_check(base.replace(block_m=block_m), cache)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
 from .compile_cache import CacheResult, CompileCache, CompileCacheMiss, default_cache
-from .compiler import geometry_check, plan_forward
+from .compiler import describe_gemm, geometry_check, plan_forward
 from .kernels.moe import MoESpec
 from .planners import (
     DECODE_BLOCK_M,
@@ -170,12 +170,9 @@ class ArchPrewarm:
         if self.layout is None:
             return f"{head} no plan: {self.error}"
         text = f"{head} {self.layout.describe()}"
-        bound = [r for r in self.records if r.needed and r.mma]
+        bound = [(r.block_m, r.mma, r.span) for r in self.records if r.needed and r.mma]
         if bound:
-            names = {"sync": "mma.sync", "wgmma": "async wgmma"}
-            text += ("\n  GEMM: " + ", ".join(f"M={r.block_m} {names.get(r.mma, r.mma)}"
-                                               + (f" x {r.span} route blocks per work item"
-                                                  if r.span > 1 else "") for r in bound))
+            text += "\n  " + describe_gemm(bound)
         if self.error:
             text += f"\n  error: {self.error}"
         return text
