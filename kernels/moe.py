@@ -82,7 +82,8 @@ class MoESpec:
     occupancy: int = 1
     #: GEMM instruction: "sync" (mma.sync, every arch), "wgmma" (sm_90a only: decoded
     #: weights as the register A operand of async wgmma, see trellis_wgmma) or "auto" (the
-    #: faster one on the H200 measurements: wgmma on sm_90a, else sync).
+    #: faster one measured on the H200, 2026-11-30, docs/benchmarks.md entry 22: wgmma on
+    #: sm_90a, else sync).
     mma: str = "auto"
     #: wgmma only: route blocks of one expert per work item (rows = span x block_m <= 128),
     #: so an expert's weights are decoded once per N tile for up to that many rows; 0 =
