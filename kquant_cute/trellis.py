@@ -68,6 +68,8 @@ __all__ = [
     "random_trellis",
     "hadamard_128",
     "rotate_blocks",
+    "COUPLED_RESIDUAL_BLOCK",
+    "rotate_h512",
     "dense_weight",
     "linear_forward",
 ]
@@ -84,6 +86,8 @@ TILE_WEIGHTS = TILE * TILE
 STATE_BITS = 16
 #: Size of the Sylvester Hadamard blocks applied along both weight axes.
 HADAMARD_BLOCK = 128
+#: Latent-axis block of the QSRT coupled transforms (normalised Sylvester H512).
+COUPLED_RESIDUAL_BLOCK = 512
 
 #: Supported codebooks (state -> value maps).
 CODEBOOKS = ("3inst", "mcg", "mul1", "sqg_e4m3")
@@ -509,6 +513,23 @@ def rotate_blocks(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     moved = x.movedim(dim, -1)
     h = hadamard_128(x.dtype, x.device)
     out = (moved.reshape(*moved.shape[:-1], n // HADAMARD_BLOCK, HADAMARD_BLOCK) @ h)
+    return out.reshape(moved.shape).movedim(-1, dim)
+
+
+def rotate_h512(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Multiply every consecutive 512-block of ``x`` along ``dim`` by the normalised H512.
+
+    H512 = H4 (x) H128 (Sylvester): H128 on each 128-block, then ``0.5 * H4`` across each
+    group of four consecutive blocks. Symmetric and orthogonal, so its own inverse. The QSRT
+    coupled profile applies it to the latent axis before FC1 and after the top-k sum.
+    """
+    n = x.shape[dim]
+    if n % COUPLED_RESIDUAL_BLOCK:
+        raise ValueError(f"dimension {dim} has size {n}, not a multiple of {COUPLED_RESIDUAL_BLOCK}")
+    moved = rotate_blocks(x, dim).movedim(dim, -1)
+    g = moved.reshape(*moved.shape[:-1], n // COUPLED_RESIDUAL_BLOCK, 4, HADAMARD_BLOCK)
+    a, b, c, d = g.unbind(-2)
+    out = torch.stack((a + b + c + d, a - b + c - d, a + b - c - d, a - b - c + d), dim=-2) * 0.5
     return out.reshape(moved.shape).movedim(-1, dim)
 
 

@@ -7,7 +7,9 @@ This module owns the in-memory weight containers the planners and kernels consum
   mappings and the dense / reference-forward views from :mod:`kquant_cute.trellis`;
 * :class:`MoEWeights` -- the gate / up / down projections of a layer's experts stacked
   along a leading expert axis, with either per-expert or shared (Kimi-K3 / b12x style)
-  hidden-side rotation vectors, plus a seeded random constructor for tests and benches.
+  hidden-side rotation vectors, optionally the QSRT coupled transforms (per-expert sign
+  vectors of the pre- and post-activation axes, see :mod:`kquant_cute.qsrt`), plus a seeded
+  random constructor for tests and benches.
 
 Both are frozen dataclasses validated on construction: every inconsistency raises a
 ValueError that names the offending tensor.
@@ -242,6 +244,16 @@ class MoEWeights:
       either all per-expert or all shared.
     * ``gate_svh``, ``up_svh``, ``down_suh``: fp16 [E, I].
     * ``codebook``: one codebook and one K for all projections.
+    * QSRT coupled transforms (profile ``k2_coupled_h512_h128``; both or neither of the sign
+      vectors): ``pre_signs`` fp16 [E, 2I] and ``post_signs`` fp16 [E, I] of +-1. Then
+      ``gate_trellis`` / ``up_trellis`` are not semantic gate / up but the two stored FC1
+      *slots*: their outputs interleave per 32-channel atom (32 of slot 0, then 32 of slot 1)
+      into the 2I pre-activation axis, whose even / odd coordinates are gate / up after the
+      coupled H128 (see :func:`kquant_cute.reference.reference_moe` for the math). Coupled
+      weights have shared hidden-side vectors with ``gate_suh == up_suh`` (one input vector
+      per rank) and ``hidden`` a multiple of 512 (the latent H512).
+    * ``profile``: the QSRT profile name these weights were loaded as (None otherwise);
+      ``rotation_draws``: uint8 [E] per-expert draw ids 0..7 the signs came from (or None).
     """
 
     gate_trellis: torch.Tensor
@@ -254,6 +266,10 @@ class MoEWeights:
     down_suh: torch.Tensor
     down_svh: torch.Tensor
     codebook: str
+    profile: Optional[str] = None
+    rotation_draws: Optional[torch.Tensor] = None
+    pre_signs: Optional[torch.Tensor] = None
+    post_signs: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.codebook not in tc.CODEBOOKS:
@@ -307,12 +323,54 @@ class MoEWeights:
             _check_tensor(name, vec, torch.float16, hshape)
         for name in ("gate_svh", "up_svh", "down_suh"):
             _check_tensor(name, getattr(self, name), torch.float16, (e, inter))
-        _same_device("MoEWeights", {name: getattr(self, name) for name in self._tensor_names()})
+        self._check_coupled(e, hidden, inter, shared)
+        _same_device("MoEWeights", {**{name: getattr(self, name) for name in self._tensor_names()},
+                                    **self._optional_tensors()})
+
+    def _check_coupled(self, e: int, hidden: int, inter: int, shared: bool) -> None:
+        if (self.pre_signs is None) != (self.post_signs is None):
+            raise ValueError("pre_signs and post_signs must both be given (coupled) or both None")
+        if self.rotation_draws is not None:
+            _check_tensor("rotation_draws", self.rotation_draws, torch.uint8, (e,))
+            if bool((self.rotation_draws > 7).any()):
+                raise ValueError("rotation_draws must lie in 0..7")
+        if self.profile is not None:
+            from . import qsrt  # local: qsrt builds MoEWeights
+
+            if self.profile not in qsrt.PROFILES:
+                raise ValueError(f"unknown QSRT profile {self.profile!r}; known: "
+                                 f"{', '.join(qsrt.PROFILES)}")
+            wants = qsrt.PROFILES[self.profile].coupled
+            if wants != self.coupled:
+                raise ValueError(f"profile {self.profile!r} "
+                                 f"{'needs' if wants else 'has no'} coupled sign vectors")
+            if self.codebook != qsrt.CODEBOOK:
+                raise ValueError(f"profile {self.profile!r} uses codebook {qsrt.CODEBOOK!r}, "
+                                 f"got {self.codebook!r}")
+        if not self.coupled:
+            return
+        for name, n in (("pre_signs", 2 * inter), ("post_signs", inter)):
+            t = getattr(self, name)
+            _check_tensor(name, t, torch.float16, (e, n))
+            if not bool((t.abs() == 1).all()):
+                raise ValueError(f"{name} must hold only +1 / -1")
+        if not shared:
+            raise ValueError("coupled weights need shared hidden-side vectors ([H])")
+        if not torch.equal(self.gate_suh, self.up_suh):
+            raise ValueError("coupled weights: both FC1 slots read one rotated input, so "
+                             "gate_suh must equal up_suh")
+        if hidden % tc.COUPLED_RESIDUAL_BLOCK:
+            raise ValueError(f"coupled weights: hidden {hidden} is not a multiple of "
+                             f"{tc.COUPLED_RESIDUAL_BLOCK} (the latent H512)")
 
     @staticmethod
     def _tensor_names() -> tuple[str, ...]:
         return ("gate_trellis", "up_trellis", "down_trellis", "gate_suh", "gate_svh",
                 "up_suh", "up_svh", "down_suh", "down_svh")
+
+    def _optional_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in ("rotation_draws", "pre_signs", "post_signs")
+                if getattr(self, name) is not None}
 
     # -- properties --------------------------------------------------------------------
 
@@ -336,6 +394,11 @@ class MoEWeights:
     def shared_hidden_vectors(self) -> bool:
         """True iff gate_suh, up_suh and down_svh are shared ([H]) across experts."""
         return self.gate_suh.dim() == 1
+
+    @property
+    def coupled(self) -> bool:
+        """True iff the QSRT coupled transforms apply (sign vectors present)."""
+        return self.pre_signs is not None
 
     @property
     def device(self) -> torch.device:
@@ -368,7 +431,8 @@ class MoEWeights:
 
     def to(self, device: torch.device | str) -> "MoEWeights":
         moved = {name: t.to(device) for name, t in self.tensors()}
-        return MoEWeights(codebook=self.codebook, **moved)
+        moved.update({name: t.to(device) for name, t in self._optional_tensors().items()})
+        return MoEWeights(codebook=self.codebook, profile=self.profile, **moved)
 
     @classmethod
     def from_experts(cls, experts: Sequence[Mapping[str, TrellisLinear]]) -> "MoEWeights":
@@ -435,6 +499,7 @@ class MoEWeights:
         codebook: str = "mcg",
         *,
         shared_hidden_vectors: bool = False,
+        coupled: bool = False,
         seed: int = 0,
         device: Optional[torch.device | str] = None,
     ) -> "MoEWeights":
@@ -446,6 +511,10 @@ class MoEWeights:
         with magnitudes around ``1 / (sqrt(in_features) * rms(codebook))``, so each
         projection maps unit-RMS inputs to roughly unit-RMS outputs. The same seed gives
         the same weights on every device (generated on the CPU, one expert at a time).
+
+        ``coupled``: add the QSRT coupled transforms (random per-expert draws 0..7 and their
+        sign vectors, as rank 0 of a layer whose global intermediate is ``intermediate``);
+        needs ``shared_hidden_vectors`` and uses one input vector for both FC1 slots.
         """
         for name, n in (("num_experts", num_experts), ("hidden", hidden),
                         ("intermediate", intermediate), ("bits", bits), ("seed", seed)):
@@ -475,15 +544,28 @@ class MoEWeights:
         out_fc2 = 1.0 / (math.sqrt(intermediate) * rms)
         hshape = (hidden,) if shared_hidden_vectors else (num_experts, hidden)
         ishape = (num_experts, intermediate)
+        extra: dict[str, Any] = {}
+        if coupled:
+            if not shared_hidden_vectors:
+                raise ValueError("random: coupled weights need shared_hidden_vectors=True")
+            from . import qsrt  # local: qsrt builds MoEWeights
+
+            draws = torch.randint(0, qsrt.MAX_DRAW + 1, (num_experts,), generator=gen)
+            pre, post = qsrt.coupled_signs(draws.to(torch.uint8), intermediate, 0,
+                                           intermediate // qsrt.ATOM_CHANNELS)
+            extra = {"rotation_draws": draws.to(torch.uint8).to(dev), "pre_signs": pre.to(dev),
+                     "post_signs": post.to(dev)}
+        gate_suh = vec(hshape, 1.0)
         return cls(
             gate_trellis=codes(hidden, intermediate),
             up_trellis=codes(hidden, intermediate),
             down_trellis=codes(intermediate, hidden),
-            gate_suh=vec(hshape, 1.0),
+            gate_suh=gate_suh,
             gate_svh=vec(ishape, out_fc1),
-            up_suh=vec(hshape, 1.0),
+            up_suh=gate_suh.clone() if coupled else vec(hshape, 1.0),
             up_svh=vec(ishape, out_fc1),
             down_suh=vec(ishape, 1.0),
             down_svh=vec(hshape, out_fc2),
             codebook=codebook,
+            **extra,
         )
