@@ -7,9 +7,12 @@ This module owns:
   (per-projection input rotation, decoded ``W_hat``, output rotation; with shared hidden-side
   vectors the gate/up input rotations run once per token and FC2's output rotation once per
   token after the top-k sum), in float32 or float64, with an optional expert map for expert
-  parallelism;
+  parallelism; for QSRT coupled weights (``weights.coupled``) the coupled transforms of the
+  ``k2_coupled_h512_h128`` profile, step by step (:func:`_coupled_moe`);
 * :func:`naive_moe` -- the same layer as a plain per-token, per-route loop over dense
-  weights (``weights.expert(e)[name].dense()``), the test oracle for :func:`reference_moe`;
+  weights (``weights.expert(e)[name].dense()``; for coupled weights the dense expert matrices
+  with every transform folded in, :func:`coupled_dense_expert`), the test oracle for
+  :func:`reference_moe`;
 * :class:`RoutePack` / :func:`route_pack_reference` -- the per-expert route packing of
   BRIEF section 4 (histogram, counts padded to the route block, prefix sums, packed route ids
   with a sentinel, expert id per block).
@@ -39,6 +42,7 @@ __all__ = [
     "activation_fn",
     "reference_moe",
     "naive_moe",
+    "coupled_dense_expert",
     "RoutePack",
     "route_pack_reference",
 ]
@@ -218,6 +222,8 @@ def reference_moe(
         ValueError: for bad shapes, dtypes, ids out of range, an unknown activation or dtype.
     """
     local, act = _check_moe_inputs(x, topk_ids, topk_weights, weights, activation, dtype, expert_map)
+    if weights.coupled:
+        return _coupled_moe(x, local, topk_weights, weights, act, dtype)
     m, hidden = x.shape
     device = x.device
     codebook = weights.codebook
@@ -281,6 +287,9 @@ def naive_moe(
     dense: dict[int, dict[str, tuple[torch.Tensor, Optional[torch.Tensor]]]] = {}
 
     def layers(e: int) -> dict[str, tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        if e not in dense and weights.coupled:
+            mats = coupled_dense_expert(weights, e, dtype)
+            dense[e] = {name: (w.to(x.device), None) for name, w in mats.items()}
         if e not in dense:
             mats = {}
             for name, lin in weights.expert(e).items():
@@ -304,6 +313,125 @@ def naive_moe(
             h = act(apply(xt, mats["gate"]), apply(xt, mats["up"]))
             out[t] += topk_weights[t, k].to(dtype) * apply(h, mats["down"])
     return out
+
+
+# --------------------------------------------------------------------------------------
+# QSRT coupled transforms (profile k2_coupled_h512_h128)
+# --------------------------------------------------------------------------------------
+
+
+def _interleave_atoms(slot0: torch.Tensor, slot1: torch.Tensor) -> torch.Tensor:
+    """[..., I] x 2 -> [..., 2I]: per 32-channel atom, 32 of slot 0 then 32 of slot 1."""
+    atom = 32  # kquant_cute.qsrt.ATOM_CHANNELS (a storage fact of the coupled profile)
+    lead, n = slot0.shape[:-1], slot0.shape[-1]
+    pair = torch.stack((slot0.reshape(*lead, n // atom, atom),
+                        slot1.reshape(*lead, n // atom, atom)), dim=-2)
+    return pair.reshape(*lead, 2 * n)
+
+
+def _coupled_moe(
+    x: torch.Tensor,
+    local: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: "MoEWeights",
+    act: Activation,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The coupled MoE layer, one step per line (b12x ``_reference_coupled_decoded`` order).
+
+    ``H128`` is the block-diagonal 128-point Hadamard of :func:`trellis.rotate_blocks`, ``H512``
+    :func:`trellis.rotate_h512` (both symmetric, self-inverse). Per route to expert ``e``:
+
+    1. ``z = H512(x)`` on the latent axis (same for all experts);
+    2. ``a = H128(z * suh)`` (one input vector per rank: ``gate_suh == up_suh``);
+    3. ``raw = interleave_atoms(a @ W_hat_slot0, a @ W_hat_slot1)`` -- the 2I pre-activation
+       axis, 32 channels of each slot per atom; ``svh`` is interleaved the same way;
+    4. ``pre = H128(H128(raw) * svh) * pre_signs[e]``;
+    5. ``h = act(pre[0::2], pre[1::2]) * post_signs[e]`` (gate / up are the even / odd
+       coordinates);
+    6. ``y = H128(H128(H128(h) * down_suh) @ W_hat_down) * down_svh``;
+
+    then ``out = H512(sum_k w_k * y_k)`` (H512 is its own inverse; ``down_svh`` is shared, so
+    it, like H512, is applied once per token after the sum).
+    """
+    device = x.device
+    rw = topk_weights.to(device=device, dtype=dtype)
+
+    def vec(v: torch.Tensor) -> torch.Tensor:
+        return v.to(device=device, dtype=dtype)
+
+    def w_hat(t: torch.Tensor) -> torch.Tensor:
+        return trellis.decode(t, weights.codebook).to(device=device, dtype=dtype)
+
+    h128 = trellis.rotate_blocks
+    z = trellis.rotate_h512(x.to(dtype))                                   # 1
+    a_all = h128(z * vec(weights.gate_suh))                                # 2
+    acc = torch.zeros(x.shape[0], weights.hidden, dtype=dtype, device=device)
+    for e in torch.unique(local[local >= 0]).tolist():
+        tok, kk = (local == e).nonzero(as_tuple=True)
+        a = a_all[tok]
+        raw = _interleave_atoms(a @ w_hat(weights.gate_trellis[e]),      # 3
+                                a @ w_hat(weights.up_trellis[e]))
+        svh = _interleave_atoms(vec(weights.gate_svh[e]), vec(weights.up_svh[e]))
+        pre = h128(h128(raw) * svh) * vec(weights.pre_signs[e])          # 4
+        h = act(pre[:, 0::2], pre[:, 1::2]) * vec(weights.post_signs[e])  # 5
+        d = h128(h128(h) * vec(weights.down_suh[e]))                      # 6
+        y1 = h128(d @ w_hat(weights.down_trellis[e]))
+        acc.index_add_(0, tok, y1 * rw[tok, kk].unsqueeze(1))
+    return trellis.rotate_h512(acc * vec(weights.down_svh))
+
+
+def _sylvester(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The normalised n-point Sylvester Hadamard, ``(-1)^popcount(i & j) / sqrt(n)``."""
+    idx = torch.arange(n)
+    both = idx[:, None] & idx[None, :]
+    parity = torch.zeros_like(both)
+    for b in range(max(n - 1, 1).bit_length()):
+        parity ^= (both >> b) & 1
+    return ((1 - 2 * parity).to(torch.float64) / n ** 0.5).to(dtype)
+
+
+def coupled_dense_expert(
+    weights: "MoEWeights", e: int, dtype: torch.dtype = torch.float64
+) -> dict[str, torch.Tensor]:
+    """Expert ``e`` of coupled weights in the ordinary basis: ``{"gate", "up"}`` [H, I] and
+    ``"down"`` [I, H] with ``y = act(x @ gate, x @ up) @ down`` (router weight aside).
+
+    Built as explicit matrices (block-diagonal Sylvester Hadamards, sign diagonals, the atom
+    interleave as a permutation) rather than by transforming activations, so it checks
+    :func:`_coupled_moe` independently: ``A = H512 diag(suh) H128 [W0 | W1] P H128 diag(svh)
+    H128 diag(pre_signs)``, ``gate = A[:, 0::2]``, ``up = A[:, 1::2]``, ``down = diag(post_signs)
+    H128 diag(down_suh) H128 W_down H128 diag(down_svh) H512``.
+    """
+    work = torch.float64
+    hid, inter = weights.hidden, weights.intermediate
+
+    def blockdiag(block: int, n: int) -> torch.Tensor:
+        return torch.block_diag(*[_sylvester(block, work)] * (n // block))
+
+    def diag(v: torch.Tensor) -> torch.Tensor:
+        return torch.diag(v.to(device="cpu", dtype=work))
+
+    def w_hat(t: torch.Tensor) -> torch.Tensor:
+        return trellis.decode(t.cpu(), weights.codebook).to(work)
+
+    h512 = blockdiag(512, hid)
+    both = torch.cat((w_hat(weights.gate_trellis[e]), w_hat(weights.up_trellis[e])), dim=1)
+    # Column j of [W0 | W1] lands at pre coordinate dest[j]: slot s, channel c -> 64*(c//32)
+    # + 32*s + c%32.
+    c = torch.arange(inter)
+    dest = torch.cat((64 * (c // 32) + c % 32, 64 * (c // 32) + 32 + c % 32))
+    perm = torch.zeros(2 * inter, 2 * inter, dtype=work)
+    perm[torch.arange(2 * inter), dest] = 1.0
+    svh = torch.zeros(2 * inter, dtype=work)
+    svh[dest] = torch.cat((weights.gate_svh[e], weights.up_svh[e])).to(device="cpu", dtype=work)
+    h_pre, h_post = blockdiag(128, 2 * inter), blockdiag(128, inter)
+    a = (h512 @ diag(weights.gate_suh) @ blockdiag(128, hid) @ both @ perm @ h_pre
+         @ torch.diag(svh) @ h_pre @ diag(weights.pre_signs[e]))
+    down = (diag(weights.post_signs[e]) @ h_post @ diag(weights.down_suh[e]) @ h_post
+            @ w_hat(weights.down_trellis[e]) @ blockdiag(128, hid) @ diag(weights.down_svh)
+            @ h512)
+    return {"gate": a[:, 0::2].to(dtype), "up": a[:, 1::2].to(dtype), "down": down.to(dtype)}
 
 
 # --------------------------------------------------------------------------------------
