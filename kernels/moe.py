@@ -10,6 +10,11 @@ synchronisation and no allocation:
   -> FC1 output rotation + activation + FC2 input rotation -> trellis GEMM down
   -> router-weighted top-k sum with FC2's output rotation.
 
+`MoESpec.coupled` adds the QSRT coupled transforms (profile k2_coupled_h512_h128) inside the
+three rotation stages (kernels/rotate.py); the per-expert sign vectors are the entry
+point's `pre_signs` [E, 2I] / `post_signs` [E, I] fp16 (ignored, any valid address, when
+not coupled).
+
 Every pointer argument is a raw device address and every size a 32-bit integer, so an
 object compiled on a CPU-only machine has the same C ABI as a JIT compile on the GPU.
 Token count, routed experts and the grid (from the plan's block bound) are run-time values.
@@ -51,6 +56,7 @@ ARG_NAMES = (
     ("gate_trellis", "int16"), ("up_trellis", "int16"), ("down_trellis", "int16"),
     ("gate_suh", "float16"), ("up_suh", "float16"), ("gate_svh", "float16"),
     ("up_svh", "float16"), ("down_suh", "float16"), ("down_svh", "float16"),
+    ("pre_signs", "float16"), ("post_signs", "float16"),
     ("sorted_routes", "int32"), ("block_expert", "int32"), ("num_padded", "int32"),
     ("expert_offsets", "int32"), ("expert_counts", "int32"),
     ("xg", "float16"), ("xu", "float16"), ("g", "float32"), ("u", "float32"),
@@ -90,6 +96,9 @@ class MoESpec:
     #: `trellis_wgmma.default_span(block_m)` under wgmma, 1 under mma.sync.
     span: int = 0
     arch: str = "sm_90a"
+    #: QSRT coupled transforms (H512 on the latent axis, signed H128 around the activation,
+    #: FC1 slots interleaved per 32-channel atom); needs shared hidden-side vectors.
+    coupled: bool = False
 
     def resolved(self) -> "MoESpec":
         """This spec with `mma` and `span` made concrete for its arch ("auto" / 0 resolved).
@@ -135,6 +144,11 @@ class MoESpec:
             return f"activation {self.activation!r} not in {ACTIVATIONS}"
         if self.topk > MAX_TOPK:
             return f"topk {self.topk} > {MAX_TOPK}"
+        if self.coupled:
+            if not self.shared_hidden_vectors:
+                return "coupled transforms need shared hidden-side vectors"
+            if self.hidden % 512:
+                return f"coupled transforms need hidden % 512 == 0 (H512), got {self.hidden}"
         for k_dim, n_dim in ((self.hidden, self.intermediate), (self.intermediate, self.hidden)):
             reason = TrellisGemm.can_implement(block_m=self.block_m, k_dim=k_dim, n_dim=n_dim,
                                                bits=self.bits, codebook=self.codebook,
@@ -170,7 +184,8 @@ class MoESpec:
         self = self.resolved()
         return (f"kq_moe_m{self.block_m}_k{self.bits}_{self.codebook}_{self.act_dtype}_"
                 f"{self.out_dtype}_{self.activation}_{'shared' if self.shared_hidden_vectors else 'perexp'}"
-                f"{'_map' if self.has_expert_map else ''}_e{self.num_experts}_h{self.hidden}_"
+                f"{'_map' if self.has_expert_map else ''}{'_cpl' if self.coupled else ''}"
+                f"_e{self.num_experts}_h{self.hidden}_"
                 f"i{self.intermediate}_t{self.topk}_s{self.stages}"
                 f"{f'_o{self.occupancy}' if self.occupancy != 1 else ''}"
                 f"{'_wgmma' if self.mma == 'wgmma' else ''}"
@@ -206,7 +221,7 @@ class MoEForward:
         self.pack = RoutePack(num_experts=spec.num_experts, block_m=spec.block_m,
                               has_map=spec.has_expert_map)
         self.rotate_in = RotateInput(hidden=spec.hidden, topk=spec.topk, per_route=per_route,
-                                     has_map=spec.has_expert_map)
+                                     has_map=spec.has_expert_map, coupled=spec.coupled)
         Gemm = TrellisGemm
         if spec.mma == "wgmma":
             Gemm = functools.partial(TrellisWgmma, span=spec.span)
@@ -215,7 +230,7 @@ class MoEForward:
                                  a_rows_per_token=not per_route, stages=spec.stages,
                                  min_ctas_per_sm=spec.gemm_ctas_per_sm())
         self.mid = MidActivation(intermediate=spec.intermediate, activation=spec.activation,
-                                 has_map=spec.has_expert_map)
+                                 has_map=spec.has_expert_map, coupled=spec.coupled)
         self.gemm2 = Gemm(block_m=spec.block_m, k_dim=spec.intermediate, n_dim=spec.hidden,
                                  bits=spec.bits, codebook=spec.codebook, topk=spec.topk,
                                  a_rows_per_token=False, stages=spec.stages,
@@ -223,12 +238,12 @@ class MoEForward:
         self.combine = CombineOutput(hidden=spec.hidden, topk=spec.topk,
                                      shared_svh=spec.shared_hidden_vectors,
                                      has_map=spec.has_expert_map,
-                                     out_dtype=_DSL_DTYPES[spec.out_dtype])
+                                     out_dtype=_DSL_DTYPES[spec.out_dtype], coupled=spec.coupled)
 
     @cute.jit
     def __call__(self, x, topk_ids, topk_weights, expert_map, gate_trellis, up_trellis,
                  down_trellis, gate_suh, up_suh, gate_svh, up_svh, down_suh, down_svh,
-                 sorted_routes, block_expert, num_padded, expert_offsets, expert_counts,
+                 pre_signs, post_signs, sorted_routes, block_expert, num_padded, expert_offsets, expert_counts,
                  xg, xu, g, u, a2, y, out,
                  m: Int32, max_blocks: Int32, rows_cap: Int32, routes_cap: Int32, stream):
         n_routes = m * self.spec.topk
@@ -246,9 +261,12 @@ class MoEForward:
             groups = (block_expert, num_padded, expert_offsets, expert_counts)
         self.gemm1(xg, gate_trellis, sorted_routes, *groups, g, n_routes, a_zero_row,
                    max_blocks, stream)
-        self.gemm1(xu, up_trellis, sorted_routes, *groups, u, n_routes, a_zero_row,
+        # Coupled: both FC1 slots read the one rotated input (xu is not written).
+        x_up = xg if self.spec.coupled else xu
+        self.gemm1(x_up, up_trellis, sorted_routes, *groups, u, n_routes, a_zero_row,
                    max_blocks, stream)
-        self.mid(g, u, gate_svh, up_svh, down_suh, topk_ids, expert_map, a2, n_routes, stream)
+        self.mid(g, u, gate_svh, up_svh, down_suh, pre_signs, post_signs, topk_ids, expert_map,
+                 a2, n_routes, stream)
         self.gemm2(a2, down_trellis, sorted_routes, *groups, y, n_routes, routes_cap,
                    max_blocks, stream)
         self.combine(y, down_svh, topk_ids, expert_map, topk_weights, out, m, stream)

@@ -10,6 +10,15 @@ and shuffles, fp32, in a fixed order so results do not depend on anything but th
 - `CombineOutput`: per token, the router-weighted sum over top-k of the FC2 outputs with
   FC2's output rotation (H_blk then * svh) either per route (per-expert svh) or once per
   token after the sum (shared svh), stored as fp32 / bf16 / fp16.
+
+With `coupled` (QSRT profile k2_coupled_h512_h128, shared vectors only) the same three
+stages also apply the coupled transforms (math: kquant_cute.reference._coupled_moe):
+RotateInput runs H512 = H4 (x) H128 on the latent axis first (one warp per 512-block), and
+writes one operand (both FC1 slots read the same rotated input); MidActivation reads the
+slot outputs interleaved per 32-channel atom, runs H128 . svh . H128 . pre_signs, takes
+gate / up as even / odd coordinates, * post_signs, then H128 . down_suh . H128 (one warp
+per 128-block of the activation = two pre-activation blocks); CombineOutput applies H512
+after the top-k sum and svh.
 """
 
 from __future__ import annotations
@@ -48,6 +57,18 @@ def fwht128(v, lane):
         v[j] = vals[j] * INV_SQRT_CHUNK
 
 
+def h4_mix(c0, c1, c2, c3):
+    """The normalised 4-point Hadamard across four 128-chunks (the H4 of H512 = H4 (x) H128):
+    chunk h of the result = 0.5 * sum_g (-1)^popcount(g & h) chunk g, per lane element."""
+    for j in range(4):
+        a, b, c, d = c0[j], c1[j], c2[j], c3[j]
+        s, t, p, q = a + b, a - b, c + d, c - d
+        c0[j] = (s + p) * 0.5
+        c1[j] = (t + q) * 0.5
+        c2[j] = (s - p) * 0.5
+        c3[j] = (t - q) * 0.5
+
+
 def apply_activation(g, u, activation: str):
     if activation == "silu":
         return g / (1.0 + cute.math.exp(-g)) * u
@@ -58,20 +79,61 @@ def apply_activation(g, u, activation: str):
 
 
 class RotateInput:
-    """x [m, H] -> Xg, Xu fp16 [rows, H] with rows = m (shared suh) or m*topk (per expert)."""
+    """x [m, H] -> Xg, Xu fp16 [rows, H] with rows = m (shared suh) or m*topk (per expert).
 
-    def __init__(self, *, hidden: int, topk: int, per_route: bool, has_map: bool):
+    coupled: Xg = H_blk(H512(x) * suh) only (Xu is not written; suh_gate == suh_up)."""
+
+    def __init__(self, *, hidden: int, topk: int, per_route: bool, has_map: bool,
+                 coupled: bool = False):
+        if coupled and (per_route or hidden % (4 * CHUNK)):
+            raise ValueError("coupled RotateInput needs shared vectors and hidden % 512 == 0")
         self.hidden = hidden
         self.topk = topk
         self.per_route = per_route
         self.has_map = has_map
+        self.coupled = coupled
         self.chunks = hidden // CHUNK
+        self.blocks512 = hidden // (4 * CHUNK)
 
     @cute.jit
     def __call__(self, pX, pSuhG, pSuhU, pIds, pMap, pXg, pXu, num_rows: Int32, stream):
         items = num_rows * self.chunks
-        self.kernel(pX, pSuhG, pSuhU, pIds, pMap, pXg, pXu, num_rows).launch(
-            grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        if cutlass.const_expr(self.coupled):
+            items = num_rows * self.blocks512
+            self.coupled_kernel(pX, pSuhG, pXg, num_rows).launch(
+                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        else:
+            self.kernel(pX, pSuhG, pSuhU, pIds, pMap, pXg, pXu, num_rows).launch(
+                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def coupled_kernel(self, pX, pSuhG, pXg, num_rows: Int32):
+        """One warp per (row, 512-block): H128 of each 128-chunk, the H4 mix across the four,
+        * suh, H128 again; only Xg is written."""
+        mX, mSuhG, mXg = ptx.flat_tensor(pX), ptx.flat_tensor(pSuhG), ptx.flat_tensor(pXg)
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        item = bidx * WARPS + tidx // 32
+        if item < num_rows * self.blocks512:
+            row = item // self.blocks512
+            base = (item - row * self.blocks512) * (4 * CHUNK) + 4 * lane
+            v0 = cute.make_rmem_tensor((4,), Float32)
+            v1 = cute.make_rmem_tensor((4,), Float32)
+            v2 = cute.make_rmem_tensor((4,), Float32)
+            v3 = cute.make_rmem_tensor((4,), Float32)
+            vs = (v0, v1, v2, v3)
+            for c in cutlass.range_constexpr(4):
+                for j in cutlass.range_constexpr(4):
+                    vs[c][j] = mX[row * self.hidden + base + c * CHUNK + j].to(Float32)
+                fwht128(vs[c], lane)
+            h4_mix(v0, v1, v2, v3)
+            for c in cutlass.range_constexpr(4):
+                for j in cutlass.range_constexpr(4):
+                    vs[c][j] = vs[c][j] * mSuhG[base + c * CHUNK + j].to(Float32)
+                fwht128(vs[c], lane)
+                for j in cutlass.range_constexpr(4):
+                    mXg[row * self.hidden + base + c * CHUNK + j] = vs[c][j].to(cutlass.Float16)
 
     @cute.kernel
     def kernel(self, pX, pSuhG, pSuhU, pIds, pMap, pXg, pXu, num_rows: Int32):
@@ -107,21 +169,89 @@ class RotateInput:
 
 
 class MidActivation:
-    """G, U fp32 [routes, I] -> A2 fp16 [routes, I] (FC1 output rotation, act, FC2 input)."""
+    """G, U fp32 [routes, I] -> A2 fp16 [routes, I] (FC1 output rotation, act, FC2 input).
 
-    def __init__(self, *, intermediate: int, activation: str, has_map: bool):
+    coupled: G / U are the two FC1 slots; see `coupled_kernel`."""
+
+    def __init__(self, *, intermediate: int, activation: str, has_map: bool,
+                 coupled: bool = False):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} not in {ACTIVATIONS}")
         self.inter = intermediate
         self.activation = activation
         self.has_map = has_map
+        self.coupled = coupled
         self.chunks = intermediate // CHUNK
 
     @cute.jit
-    def __call__(self, pG, pU, pSvhG, pSvhU, pSuhD, pIds, pMap, pA2, n_routes: Int32, stream):
+    def __call__(self, pG, pU, pSvhG, pSvhU, pSuhD, pPre, pPost, pIds, pMap, pA2,
+                 n_routes: Int32, stream):
         items = n_routes * self.chunks
-        self.kernel(pG, pU, pSvhG, pSvhU, pSuhD, pIds, pMap, pA2, n_routes).launch(
-            grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        if cutlass.const_expr(self.coupled):
+            self.coupled_kernel(pG, pU, pSvhG, pSvhU, pSuhD, pPre, pPost, pIds, pMap, pA2,
+                                n_routes).launch(
+                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        else:
+            self.kernel(pG, pU, pSvhG, pSvhU, pSuhD, pIds, pMap, pA2, n_routes).launch(
+                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def coupled_kernel(self, pG, pU, pSvhG, pSvhU, pSuhD, pPre, pPost, pIds, pMap, pA2,
+                       n_routes: Int32):
+        """One warp per (route, 128-block c of the activation).
+
+        The pre-activation axis interleaves the slots per atom, so its block b = 2c + t
+        holds G[64b : 64b+32], U[64b : 64b+32], G[64b+32 : 64b+64], U[64b+32 : 64b+64];
+        lane l takes coordinates 4l..4l+3 of it (segment l // 8). After H128 . svh . H128 .
+        pre_signs, gate / up are its even / odd coordinates: lane l yields activation
+        channels 128c + 64t + 2l + {0, 1}. Those four values per lane (bit 0 in register
+        bit 0, t in register bit 1, lane in bits 1..5) are again a complete 128-point
+        layout, and the Hadamard is a product over index bits, so fwht128 applies as is.
+        """
+        mG, mU, mA2 = ptx.flat_tensor(pG), ptx.flat_tensor(pU), ptx.flat_tensor(pA2)
+        mSvhG, mSvhU, mSuhD = ptx.flat_tensor(pSvhG), ptx.flat_tensor(pSvhU), ptx.flat_tensor(pSuhD)
+        mPre, mPost = ptx.flat_tensor(pPre), ptx.flat_tensor(pPost)
+        mIds, mMap = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        item = bidx * WARPS + tidx // 32
+        if item < n_routes * self.chunks:
+            r = item // self.chunks
+            c = item - r * self.chunks
+            e = ptx.local_expert(mIds, mMap, r, self.has_map)
+            if e >= 0:
+                seg = lane // 8
+                from_up = (seg % 2) == 1
+                off = 32 * (seg // 2) + 4 * (lane % 8)
+                h = cute.make_rmem_tensor((4,), Float32)
+                for t in cutlass.range_constexpr(2):
+                    b = 2 * c + t
+                    src = r * self.inter + 64 * b + off
+                    vsrc = e * self.inter + 64 * b + off
+                    v = cute.make_rmem_tensor((4,), Float32)
+                    for j in cutlass.range_constexpr(4):
+                        v[j] = Float32(cutlass.select_(from_up, mU[src + j], mG[src + j]))
+                    fwht128(v, lane)
+                    for j in cutlass.range_constexpr(4):
+                        sv = cutlass.select_(from_up, mSvhU[vsrc + j].to(Float32),
+                                             mSvhG[vsrc + j].to(Float32))
+                        v[j] = v[j] * sv
+                    fwht128(v, lane)
+                    pre = e * (2 * self.inter) + 128 * b + 4 * lane
+                    for j in cutlass.range_constexpr(4):
+                        v[j] = v[j] * mPre[pre + j].to(Float32)
+                    post = e * self.inter + CHUNK * c + 64 * t + 2 * lane
+                    for q in cutlass.range_constexpr(2):
+                        h[2 * t + q] = (apply_activation(v[2 * q], v[2 * q + 1], self.activation)
+                                        * mPost[post + q].to(Float32))
+                fwht128(h, lane)
+                col = CHUNK * c + 2 * lane
+                for j in cutlass.range_constexpr(4):
+                    h[j] = h[j] * mSuhD[e * self.inter + col + 64 * (j // 2) + j % 2].to(Float32)
+                fwht128(h, lane)
+                for j in cutlass.range_constexpr(4):
+                    mA2[r * self.inter + col + 64 * (j // 2) + j % 2] = h[j].to(cutlass.Float16)
 
     @cute.kernel
     def kernel(self, pG, pU, pSvhG, pSvhU, pSuhD, pIds, pMap, pA2, n_routes: Int32):
@@ -156,21 +286,70 @@ class MidActivation:
 
 
 class CombineOutput:
-    """Y fp32 [routes, H] -> out [m, H]: sum_k w_k * (H_blk(Y) * svh_down) per token."""
+    """Y fp32 [routes, H] -> out [m, H]: sum_k w_k * (H_blk(Y) * svh_down) per token.
 
-    def __init__(self, *, hidden: int, topk: int, shared_svh: bool, has_map: bool, out_dtype):
+    coupled (shared svh only): then H512 of the sum, one warp per 512-block."""
+
+    def __init__(self, *, hidden: int, topk: int, shared_svh: bool, has_map: bool, out_dtype,
+                 coupled: bool = False):
+        if coupled and (not shared_svh or hidden % (4 * CHUNK)):
+            raise ValueError("coupled CombineOutput needs shared svh and hidden % 512 == 0")
         self.hidden = hidden
         self.topk = topk
         self.shared_svh = shared_svh
         self.has_map = has_map
         self.out_dtype = out_dtype
+        self.coupled = coupled
         self.chunks = hidden // CHUNK
+        self.blocks512 = hidden // (4 * CHUNK)
 
     @cute.jit
     def __call__(self, pY, pSvhD, pIds, pMap, pW, pOut, m: Int32, stream):
         items = m * self.chunks
-        self.kernel(pY, pSvhD, pIds, pMap, pW, pOut, m).launch(
-            grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        if cutlass.const_expr(self.coupled):
+            items = m * self.blocks512
+            self.coupled_kernel(pY, pSvhD, pIds, pMap, pW, pOut, m).launch(
+                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        else:
+            self.kernel(pY, pSvhD, pIds, pMap, pW, pOut, m).launch(
+                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def coupled_kernel(self, pY, pSvhD, pIds, pMap, pW, pOut, m: Int32):
+        """One warp per (token, 512-block): the top-k sum of each 128-chunk, H128, * svh,
+        then the H4 mix across the four chunks (H512 = H4 (x) H128)."""
+        mY, mSvh, mIds, mMap, mW, mOut = (ptx.flat_tensor(pY), ptx.flat_tensor(pSvhD), ptx.flat_tensor(pIds), ptx.flat_tensor(pMap),
+                                          ptx.flat_tensor(pW), ptx.flat_tensor(pOut))
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        item = bidx * WARPS + tidx // 32
+        if item < m * self.blocks512:
+            t = item // self.blocks512
+            base = (item - t * self.blocks512) * (4 * CHUNK) + 4 * lane
+            a0 = cute.make_rmem_tensor((4,), Float32)
+            a1 = cute.make_rmem_tensor((4,), Float32)
+            a2 = cute.make_rmem_tensor((4,), Float32)
+            a3 = cute.make_rmem_tensor((4,), Float32)
+            accs = (a0, a1, a2, a3)
+            for c in cutlass.range_constexpr(4):
+                accs[c].fill(0.0)
+            for k in cutlass.range_constexpr(self.topk):
+                r = t * self.topk + k
+                e = ptx.local_expert(mIds, mMap, r, self.has_map)
+                if e >= 0:
+                    w = mW[r]
+                    for c in cutlass.range_constexpr(4):
+                        for j in cutlass.range_constexpr(4):
+                            accs[c][j] = accs[c][j] + w * mY[r * self.hidden + base + c * CHUNK + j]
+            for c in cutlass.range_constexpr(4):
+                fwht128(accs[c], lane)
+                for j in cutlass.range_constexpr(4):
+                    accs[c][j] = accs[c][j] * mSvh[base + c * CHUNK + j].to(Float32)
+            h4_mix(a0, a1, a2, a3)
+            for c in cutlass.range_constexpr(4):
+                for j in cutlass.range_constexpr(4):
+                    mOut[t * self.hidden + base + c * CHUNK + j] = accs[c][j].to(self.out_dtype)
 
     @cute.kernel
     def kernel(self, pY, pSvhD, pIds, pMap, pW, pOut, m: Int32):

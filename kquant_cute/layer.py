@@ -114,7 +114,7 @@ class MoELayer:
                        codebook=weights.codebook, block_m=8, act_dtype=_dtype_name(act_dtype),
                        out_dtype=_dtype_name(out_dtype), activation=activation,
                        shared_hidden_vectors=weights.shared_hidden_vectors,
-                       has_expert_map=num_global_experts is not None)
+                       has_expert_map=num_global_experts is not None, coupled=weights.coupled)
         if stages is not None:
             base = base.replace(stages=stages)
         if occupancy is not None:
@@ -137,6 +137,9 @@ class MoELayer:
             "gate_trellis": w.gate_trellis, "up_trellis": w.up_trellis, "down_trellis": w.down_trellis,
             "gate_suh": w.gate_suh, "up_suh": w.up_suh, "gate_svh": w.gate_svh, "up_svh": w.up_svh,
             "down_suh": w.down_suh, "down_svh": w.down_svh,
+            # Not coupled: the kernels never read the sign pointers; any valid address.
+            "pre_signs": w.pre_signs if w.coupled else w.down_suh,
+            "post_signs": w.post_signs if w.coupled else w.down_suh,
         }
         for name, t in self._weight_tensors.items():
             if not t.is_contiguous() or t.data_ptr() % 16:
