@@ -316,8 +316,9 @@ class CombineOutput:
 
     @cute.kernel
     def coupled_kernel(self, pY, pSvhD, pIds, pMap, pW, pOut, m: Int32):
-        """One warp per (token, 512-block): the top-k sum of each 128-chunk, H128, * svh,
-        then the H4 mix across the four chunks (H512 = H4 (x) H128)."""
+        """One warp per (token, 512-block): the top-k sum of each 128-chunk, H128, * svh
+        (FC2's output rotation), then H512 = H4 (x) H128: H128 of each chunk again and the
+        H4 mix across the four."""
         mY, mSvh, mIds, mMap, mW, mOut = (ptx.flat_tensor(pY), ptx.flat_tensor(pSvhD), ptx.flat_tensor(pIds), ptx.flat_tensor(pMap),
                                           ptx.flat_tensor(pW), ptx.flat_tensor(pOut))
         tidx, _, _ = cute.arch.thread_idx()
@@ -346,6 +347,7 @@ class CombineOutput:
                 fwht128(accs[c], lane)
                 for j in cutlass.range_constexpr(4):
                     accs[c][j] = accs[c][j] * mSvh[base + c * CHUNK + j].to(Float32)
+                fwht128(accs[c], lane)      # H512 = H4 (x) H128: its own H128 first
             h4_mix(a0, a1, a2, a3)
             for c in cutlass.range_constexpr(4):
                 for j in cutlass.range_constexpr(4):
