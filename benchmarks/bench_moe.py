@@ -99,6 +99,10 @@ def run_table(wts, tokens, blocks, *, iters, knobs, peer=None, ceilings=None, de
         del outs
         if peer is not None:
             row.update(peer_and_floors(peer, wts, m, ceilings, decode))
+        elif decode is not None:  # --decode-only: the ceiling for this m's routing alone
+            gen = torch.Generator(device="cuda").manual_seed(m)
+            _, ids = random_tokens(m, wts.hidden, wts.num_experts, 16, gen)
+            row["decode_floor"] = decode.time(torch.unique(ids), iters)
         torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -109,6 +113,8 @@ def format_table(rows, blocks, with_peer: bool) -> list[str]:
     """The markdown table of `run_table` rows (pure; no GPU)."""
     extra = (["bf16 peer", "HBM floor", "MMA floor", "decode-only", "plan/peer", "banded/peer",
               "banded/decode", "M8/banded"] if with_peer else [])
+    if not with_peer and rows and "decode_floor" in rows[0]:
+        extra = ["decode-only", "banded/decode"]
     head = ["tokens"] + [f"M{M}" for M in blocks] + ["plan (M)", "banded (M)"] + extra + [
         "bitwise equal"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -123,6 +129,8 @@ def format_table(rows, blocks, with_peer: bool) -> list[str]:
                       f"{r['plan'] / r['peer']:.2f}", f"{r['banded'] / r['peer']:.2f}",
                       f"{r['banded'] / r['decode_floor']:.2f}",
                       f"{m8 / r['banded']:.2f}" if m8 else "-"]
+        elif extra:
+            cells += [f"{r['decode_floor']:.3f}", f"{r['banded'] / r['decode_floor']:.2f}"]
         cells.append({True: "yes", False: "NO"}.get(r.get("bitwise_equal"), "-"))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -135,7 +143,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 512, 1024, 1536, 4096])
     p.add_argument("--blocks", type=int, nargs="+", default=[8, 16, 32, 48, 64])
     p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--codebook", default="mcg", choices=["mcg", "3inst", "mul1"],
+    p.add_argument("--codebook", default="mcg", choices=["mcg", "3inst", "mul1", "sqg_e4m3"],
                    help="trellis codebook of the random weights (the BRIEF's geometry: mcg)")
     p.add_argument("--extra-bits", type=int, nargs="*", default=[],
                    help="after the main table, one table per K here at 16 and 1,536 tokens, "
@@ -154,6 +162,8 @@ def main(argv=None):
     p.add_argument("--png", default=None, help="also write a plot (needs matplotlib)")
     p.add_argument("--peer", action="store_true",
                    help="also time the dense bf16 torch._grouped_mm peer and print the floors")
+    p.add_argument("--decode-only", action="store_true",
+                   help="without --peer: also time the decode-only ceiling (no peer, no floors)")
     a = p.parse_args(argv)
     knobs = {"stages": a.stages, "occupancy": a.occupancy, "mma": a.mma, "span": a.span}
     jobs = [(a.bits, a.tokens, a.blocks)] + [(b, [16, 1536], [8, 32]) for b in a.extra_bits]
@@ -179,6 +189,11 @@ def main(argv=None):
             print(f"# ceilings: copy {ceilings['copy_Bps'] / 1e12:.2f} TB/s, bf16 matmul "
                   f"{ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s; peer weights "
                   f"{peer.weight_bytes() / 1e9:.2f} GB", flush=True)
+        elif a.decode_only:
+            from peers import DecodeCeiling
+
+            decode = DecodeCeiling(wts)
+            print(f"# decode-only kernel: {decode.resources}", flush=True)
         rows = run_table(wts, tokens, blocks, iters=a.iters, knobs=knobs, peer=peer,
                          ceilings=ceilings, decode=decode)
         print(f"# K={bits}, GEMM {rows[0].get('gemm', '?')}")

@@ -106,6 +106,8 @@ class DecodeCeiling:
         self.shapes = (shapes[0], shapes[0], shapes[1])
         self.out = torch.empty(w.num_experts * (max(w.hidden, w.intermediate) // 128) * 128,
                                dtype=torch.int32, device="cuda")
+        self.table = codebook_table(w)
+        self.sm_count = torch.cuda.get_device_properties(0).multi_processor_count
 
     def time(self, experts, iters=30) -> float:
         """Median ms of one graph replay that decodes each expert id in `experts` once."""
@@ -123,10 +125,21 @@ class DecodeCeiling:
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
             for codes, shape in zip(self.trellis, self.shapes):
                 self.fns[shape](P(codes, cutlass.Int16), P(experts, cutlass.Int32),
-                                P(self.out, cutlass.Uint32), cutlass.Int32(experts.numel()),
+                                P(self.out, cutlass.Uint32), P(self.table, cutlass.Uint8),
+                                cutlass.Int32(experts.numel()), cutlass.Int32(self.sm_count),
                                 stream)
 
         return graph_median_ms([capture(run)], iters)
+
+
+def codebook_table(weights) -> torch.Tensor:
+    """The state table the kernels read for `weights`' codebook (sqg_e4m3: 64 KiB of E4M3
+    bytes; other codebooks: a 16-byte placeholder, never read)."""
+    from kquant_cute import trellis
+
+    if weights.codebook == "sqg_e4m3":
+        return trellis.sqg_state_table(weights.bits, "cuda")
+    return torch.zeros(16, dtype=torch.uint8, device="cuda")
 
 
 def random_tokens(m: int, hidden: int, num_experts: int, topk: int, gen):

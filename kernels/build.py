@@ -189,8 +189,10 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
                    decode: bool = True, cubin_dir: str | None = None):
     """Cross-compile the decode-only kernel (`kernels.decode_ceiling`) for one projection
     shape; returns (the JIT-compiled callable, its measured resources). The callable takes
-    (trellis, experts, out) pointers, the expert count and a stream; it runs only where
-    `arch` matches the GPU. `cubin_dir` keeps the cubin there (for SASS reading)."""
+    (trellis, experts, out, table) pointers, the expert count, the device's SM count and a
+    stream; it runs only where `arch` matches the GPU. `cubin_dir` keeps the cubin there
+    (for SASS reading). Table codebooks run SMs x (CTAs that fit by shared memory, at most
+    `min_ctas_per_sm`) persistent CTAs, each staging the table once."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -198,12 +200,19 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
 
     from .decode_ceiling import TrellisDecode
 
+    from .trellis_gemm import SMEM_RESERVED_PER_CTA, table_bytes
+
+    ctas = 1
+    if table_bytes(codebook):
+        per_sm = cutlass.memory.get_smem_capacity_in_bytes(arch.removesuffix("a")) + SMEM_RESERVED_PER_CTA
+        need = TrellisDecode.smem(bits, stages, codebook) + SMEM_RESERVED_PER_CTA
+        ctas = min_ctas_per_sm = max(1, min(min_ctas_per_sm, per_sm // need))
     probe = TrellisDecode(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                           stages=stages, min_ctas_per_sm=min_ctas_per_sm, mma_rows=mma_rows,
-                          decode=decode)
+                          decode=decode, ctas_per_sm=ctas)
     args = [make_ptr(dt, 256, cute.AddressSpace.gmem, assumed_align=16)
-            for dt in (cutlass.Int16, cutlass.Int32, cutlass.Uint32)]
+            for dt in (cutlass.Int16, cutlass.Int32, cutlass.Uint32, cutlass.Uint8)]
     compiled, resources, _ = _compile_measured(
-        probe, [*args, cutlass.Int32(1), cuda.CUstream(0)], arch,
+        probe, [*args, cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0)], arch,
         {"TrellisDecode": probe.smem_bytes}, cubin_dir)
     return compiled, resources

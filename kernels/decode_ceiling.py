@@ -12,7 +12,9 @@ the decode + MMA time without activations, shared-memory A or epilogue.
 
 Layouts (raw pointers): B trellis int16 [E, k_dim/16, n_dim/16, 16*bits]; experts int32
 [n_experts] (the experts to decode); out uint32 [n_experts * n_dim/128 * THREADS], one
-word per thread (the checksum `reference_checksum` recomputes on the host).
+word per thread (the checksum `reference_checksum` recomputes on the host); table: the
+codebook's state table (sqg_e4m3: uint8 [65536], staged into shared memory by every CTA
+as in the GEMM, whose persistent CTAs stage it once; ignored by the other codebooks).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
 from . import ptx
-from .trellis_gemm import (DEFAULT_STAGES, K_STEPS_PER_STAGE, THREADS, TrellisGemm,
-                           b_stage_bytes, lane_words)
+from .trellis_gemm import (DEFAULT_STAGES, K_STEPS_PER_STAGE, TABLE_BYTES, THREADS,
+                           TrellisGemm, b_stage_bytes, lane_words, persistent_grid, stage_table,
+                           table_bytes)
 
 
 class TrellisDecode:
@@ -31,7 +34,7 @@ class TrellisDecode:
 
     def __init__(self, *, k_dim: int, n_dim: int, bits: int, codebook: str,
                  stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1, mma_rows: int = 0,
-                 decode: bool = True):
+                 decode: bool = True, ctas_per_sm: int = 1):
         reason = self.can_implement(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                                     stages=stages)
         if reason is not None:
@@ -40,8 +43,9 @@ class TrellisDecode:
         # (bits, stages, k_stages, n_tiles, min_ctas_per_sm) this kernel reads from it.
         self.gemm = TrellisGemm(block_m=8, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                 codebook=codebook, topk=1, a_rows_per_token=False,
-                                stages=stages, min_ctas_per_sm=min_ctas_per_sm)
-        self.smem_bytes = self.smem(bits, stages)
+                                stages=stages, min_ctas_per_sm=min_ctas_per_sm,
+                                ctas_per_sm=ctas_per_sm)
+        self.smem_bytes = self.smem(bits, stages, codebook)
         # Benchmark knob: also run the GEMM's mma.sync count for `mma_rows` rows on every
         # decoded tile, with register-only A fragments (no shared memory, no barrier): the
         # decode + MMA ceiling. 0 = decode only (the checksum's host model holds).
@@ -53,9 +57,9 @@ class TrellisDecode:
         self.decode = decode
 
     @staticmethod
-    def smem(bits: int, stages: int) -> int:
-        """Dynamic shared memory: the GEMM's B ring alone."""
-        return stages * b_stage_bytes(bits)
+    def smem(bits: int, stages: int, codebook: str | None = None) -> int:
+        """Dynamic shared memory: the GEMM's B ring (and the codebook's state table)."""
+        return table_bytes(codebook) + stages * b_stage_bytes(bits)
 
     @staticmethod
     def can_implement(*, k_dim: int, n_dim: int, bits: int, codebook: str,
@@ -66,22 +70,44 @@ class TrellisDecode:
 
     @cute.jit
     def __call__(self, pB: cute.Pointer, pExperts: cute.Pointer, pOut: cute.Pointer,
-                 n_experts: Int32, stream):
-        self.kernel(pB, pExperts, pOut).launch(
-            grid=[n_experts * self.gemm.n_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
+                 pTable: cute.Pointer, n_experts: Int32, sm_count: Int32, stream):
+        # Table codebooks: persistent CTAs, as in the GEMM (the table is staged per CTA).
+        grid = n_experts * self.gemm.n_tiles
+        if cutlass.const_expr(self.gemm.table):
+            grid = persistent_grid(n_experts, self.gemm.n_tiles, sm_count, self.gemm.ctas_per_sm)
+        self.kernel(pB, pExperts, pOut, pTable, n_experts * self.gemm.n_tiles).launch(
+            grid=[grid, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
             stream=stream, min_blocks_per_mp=self.gemm.min_ctas_per_sm, preferred_smem_carveout=100)
 
     @cute.kernel
-    def kernel(self, pB: cute.Pointer, pExperts: cute.Pointer, pOut: cute.Pointer):
+    def kernel(self, pB: cute.Pointer, pExperts: cute.Pointer, pOut: cute.Pointer,
+               pTable: cute.Pointer, n_items: Int32):
         mExperts = ptx.flat_tensor(pExperts)
         mOut = ptx.flat_tensor(pOut)
         smem = cutlass.memory.SmemAllocator()
+        tab = None
+        if cutlass.const_expr(self.gemm.table):
+            sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(TABLE_BYTES), 128)
+            tab = sT.iterator.toint()
         sB = smem.allocate_tensor(Uint32, cute.make_layout(self.gemm.stages * self.gemm.b_stage_words), 128)
-        b_saddr = sB.iterator.toint()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.gemm.table):
+            gdim, _, _ = cute.arch.grid_dim()
+            stage_table(pTable, tab, tidx, THREADS)
+            for work in range(bidx, n_items, gdim):
+                self.item(work, pB, mExperts, mOut, sB, tab, tidx)
+                cute.arch.sync_threads()  # the next item refills the ring
+        else:
+            self.item(bidx, pB, mExperts, mOut, sB, tab, tidx)
+
+    @cute.jit
+    def item(self, work, pB, mExperts, mOut, sB, tab, tidx):
+        """Decode work item `work` (listed expert x N tile) and write its checksum words."""
+        b_saddr = sB.iterator.toint()
         warp = tidx // 32
         widx, q0 = lane_words(tidx % 32, self.gemm.bits)
+        bidx = work
         expert = mExperts[bidx // self.gemm.n_tiles]
         nt = bidx % self.gemm.n_tiles
         b_gbase = pB.toint() + self.gemm.b_tile_base(expert, nt)
@@ -106,7 +132,7 @@ class TrellisDecode:
             for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
                 for jj in cutlass.range_constexpr(2):
                     if cutlass.const_expr(self.decode):
-                        halves = self.gemm.decode_stage(sB, buf, kk, warp, widx, q0, jj)
+                        halves = self.gemm.decode_stage(sB, buf, kk, warp, widx, q0, jj, tab)
                     else:
                         words = self.gemm.stage_words(sB, buf, kk, warp, widx, jj)
                         halves = [words[0], words[1], words[0] ^ words[1], words[-1]]

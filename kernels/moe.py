@@ -18,6 +18,9 @@ not coupled).
 Every pointer argument is a raw device address and every size a 32-bit integer, so an
 object compiled on a CPU-only machine has the same C ABI as a JIT compile on the GPU.
 Token count, routed experts and the grid (from the plan's block bound) are run-time values.
+`codebook_table` is the codebook's state table (sqg_e4m3: uint8 [65536] from
+`kquant_cute.trellis.sqg_state_table(bits)`; any valid address for the other codebooks)
+and `sm_count` the device's SMs (the table codebooks' GEMMs run a persistent grid).
 """
 
 from __future__ import annotations
@@ -33,20 +36,22 @@ from cutlass import Int32
 
 from .rotate import ACTIVATIONS, CombineOutput, MidActivation, RotateInput
 from .route_pack import RoutePack
-from .trellis_gemm import (DEFAULT_STAGES, MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA, TrellisGemm,
-                           smem_bytes as gemm_smem_bytes)
+from .trellis_gemm import (DEFAULT_STAGES, MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA,
+                           TABLE_CODEBOOKS, TrellisGemm, smem_bytes as gemm_smem_bytes)
 from .trellis_wgmma import TrellisWgmma, check_span, default_span, smem_bytes as wgmma_smem_bytes
 
 ACT_DTYPES = ("bfloat16", "float16")
 MMA_KINDS = ("auto", "sync", "wgmma")
 WGMMA_ARCH = "sm_90a"
+#: Archs without `cvt.rn.f16x2.e4m3x2` (sm_89 and later have it): no sqg_e4m3 decode.
+NO_E4M3_CVT_ARCHS = ("sm_80", "sm_86")
 OUT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_TOPK = 64
 INDEX_LIMIT = 2**31 - 1
 
 _DSL_DTYPES = {
     "float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
-    "int32": cutlass.Int32, "int16": cutlass.Int16,
+    "int32": cutlass.Int32, "int16": cutlass.Int16, "uint8": cutlass.Uint8,
 }
 
 # Entry-point arguments, in order: (name, dtype of the pointee) for pointers, (name, None)
@@ -57,11 +62,13 @@ ARG_NAMES = (
     ("gate_suh", "float16"), ("up_suh", "float16"), ("gate_svh", "float16"),
     ("up_svh", "float16"), ("down_suh", "float16"), ("down_svh", "float16"),
     ("pre_signs", "float16"), ("post_signs", "float16"),
+    ("codebook_table", "uint8"),
     ("sorted_routes", "int32"), ("block_expert", "int32"), ("num_padded", "int32"),
     ("expert_offsets", "int32"), ("expert_counts", "int32"),
     ("xg", "float16"), ("xu", "float16"), ("g", "float32"), ("u", "float32"),
     ("a2", "float16"), ("y", "float32"), ("out", "out"),
     ("m", None), ("max_blocks", None), ("rows_cap", None), ("routes_cap", None),
+    ("sm_count", None),
 )
 
 
@@ -149,6 +156,9 @@ class MoESpec:
                 return "coupled transforms need shared hidden-side vectors"
             if self.hidden % 512:
                 return f"coupled transforms need hidden % 512 == 0 (H512), got {self.hidden}"
+        if self.codebook == "sqg_e4m3" and self.arch in NO_E4M3_CVT_ARCHS:
+            return (f"codebook 'sqg_e4m3' needs cvt.rn.f16x2.e4m3x2 (sm_89 or later), "
+                    f"not {self.arch}")
         for k_dim, n_dim in ((self.hidden, self.intermediate), (self.intermediate, self.hidden)):
             reason = TrellisGemm.can_implement(block_m=self.block_m, k_dim=k_dim, n_dim=n_dim,
                                                bits=self.bits, codebook=self.codebook,
@@ -168,9 +178,10 @@ class MoESpec:
         self = self.resolved()
         if self.mma == "wgmma":
             return {"TrellisWgmma": wgmma_smem_bytes(self.block_m, self.bits, self.stages,
-                                                     self.span),
+                                                     self.span, self.codebook),
                     "RoutePack": RoutePack.smem_bytes(self.num_experts)}
-        return {"TrellisGemm": gemm_smem_bytes(self.block_m, self.bits, self.stages),
+        return {"TrellisGemm": gemm_smem_bytes(self.block_m, self.bits, self.stages,
+                                               self.codebook),
                 "RoutePack": RoutePack.smem_bytes(self.num_experts)}
 
     def max_tokens(self) -> int:
@@ -192,12 +203,25 @@ class MoESpec:
                 f"{f'_x{self.span}' if self.span != 1 else ''}_{self.arch}")
 
     def gemm_ctas_per_sm(self) -> int:
-        """The GEMM's register target in CTAs per SM (see `occupancy`)."""
+        """The GEMM's register target in CTAs per SM (see `occupancy`). Table codebooks:
+        the resident CTAs of their persistent grid, whatever `occupancy` says (registers
+        must not leave a grid slot unscheduled)."""
+        if self.codebook in TABLE_CODEBOOKS:
+            return self.gemm_resident_ctas()
         if self.occupancy:
             return self.occupancy
         smem_per_sm = (cutlass.memory.get_smem_capacity_in_bytes(self.arch.removesuffix("a"))
                        + SMEM_RESERVED_PER_CTA)
         return TrellisGemm.occupancy_target(self.block_m, self.bits, self.stages, smem_per_sm)
+
+    def gemm_resident_ctas(self) -> int:
+        """GEMM CTAs per SM that shared memory allows (the persistent grid of a table
+        codebook is SMs x this)."""
+        self = self.resolved()
+        smem_per_sm = (cutlass.memory.get_smem_capacity_in_bytes(self.arch.removesuffix("a"))
+                       + SMEM_RESERVED_PER_CTA)
+        need = self.dynamic_smem()["TrellisWgmma" if self.mma == "wgmma" else "TrellisGemm"]
+        return max(1, min(MAX_CTAS_PER_SM, smem_per_sm // (need + SMEM_RESERVED_PER_CTA)))
 
 
 def dsl_dtype(name: str, spec: MoESpec):
@@ -225,6 +249,8 @@ class MoEForward:
         Gemm = TrellisGemm
         if spec.mma == "wgmma":
             Gemm = functools.partial(TrellisWgmma, span=spec.span)
+        if spec.codebook in TABLE_CODEBOOKS:
+            Gemm = functools.partial(Gemm, ctas_per_sm=spec.gemm_resident_ctas())
         self.gemm1 = Gemm(block_m=spec.block_m, k_dim=spec.hidden, n_dim=spec.intermediate,
                                  bits=spec.bits, codebook=spec.codebook, topk=spec.topk,
                                  a_rows_per_token=not per_route, stages=spec.stages,
@@ -243,9 +269,10 @@ class MoEForward:
     @cute.jit
     def __call__(self, x, topk_ids, topk_weights, expert_map, gate_trellis, up_trellis,
                  down_trellis, gate_suh, up_suh, gate_svh, up_svh, down_suh, down_svh,
-                 pre_signs, post_signs, sorted_routes, block_expert, num_padded, expert_offsets, expert_counts,
-                 xg, xu, g, u, a2, y, out,
-                 m: Int32, max_blocks: Int32, rows_cap: Int32, routes_cap: Int32, stream):
+                 pre_signs, post_signs, codebook_table, sorted_routes, block_expert, num_padded,
+                 expert_offsets, expert_counts, xg, xu, g, u, a2, y, out,
+                 m: Int32, max_blocks: Int32, rows_cap: Int32, routes_cap: Int32,
+                 sm_count: Int32, stream):
         n_routes = m * self.spec.topk
         rows = n_routes
         a_zero_row = routes_cap
@@ -260,13 +287,13 @@ class MoEForward:
         if cutlass.const_expr(self.spec.mma == "wgmma"):
             groups = (block_expert, num_padded, expert_offsets, expert_counts)
         self.gemm1(xg, gate_trellis, sorted_routes, *groups, g, n_routes, a_zero_row,
-                   max_blocks, stream)
+                   max_blocks, codebook_table, sm_count, stream)
         # Coupled: both FC1 slots read the one rotated input (xu is not written).
         x_up = xg if self.spec.coupled else xu
         self.gemm1(x_up, up_trellis, sorted_routes, *groups, u, n_routes, a_zero_row,
-                   max_blocks, stream)
+                   max_blocks, codebook_table, sm_count, stream)
         self.mid(g, u, gate_svh, up_svh, down_suh, pre_signs, post_signs, topk_ids, expert_map,
                  a2, n_routes, stream)
         self.gemm2(a2, down_trellis, sorted_routes, *groups, y, n_routes, routes_cap,
-                   max_blocks, stream)
+                   max_blocks, codebook_table, sm_count, stream)
         self.combine(y, down_svh, topk_ids, expert_map, topk_weights, out, m, stream)

@@ -21,6 +21,11 @@ Layouts (row-major, raw pointers; sizes that are run-time are Int32 arguments):
 - sorted_routes: int32 [slots] packed route ids (sentinel >= n_routes for padding);
   block_expert: int32 [blocks] (-1 = empty); num_padded: int32 [1] packed slot count.
 - out: fp32 [n_routes, n_dim], row r written for every real packed route r.
+- table (sqg_e4m3 only): uint8 [65536], the E4M3FN byte of every 16-bit state
+  (`kquant_cute.trellis.sqg_state_table`). Each CTA stages it into shared memory once and
+  then loops over work items (grid = SMs x resident CTAs, `ctas_per_sm`), so the 64 KiB
+  copy is paid per resident CTA, not per work item. A pair of weights costs two byte
+  loads from that table, one byte permute and one `cvt.rn.f16x2.e4m3x2`.
 """
 
 from __future__ import annotations
@@ -39,7 +44,10 @@ TILE_N = 128
 NUM_WARPS = 4
 THREADS = 32 * NUM_WARPS
 BLOCK_SIZES = (8, 16, 32, 48, 64)
-MMA_CODEBOOKS = ("mcg", "3inst", "mul1")
+MMA_CODEBOOKS = ("mcg", "3inst", "mul1", "sqg_e4m3")
+#: Codebooks decoded through a state -> byte table in shared memory (persistent CTAs).
+TABLE_CODEBOOKS = ("sqg_e4m3",)
+TABLE_BYTES = 1 << 16  # one E4M3FN byte per 16-bit state
 K_STEPS_PER_STAGE = 4  # 16-wide reduction steps per pipeline stage (64 elements)
 A_ROW_HALVES = 16 * K_STEPS_PER_STAGE + 8  # padded smem row: conflict-free ldmatrix
 DEFAULT_STAGES = 4
@@ -64,13 +72,38 @@ def b_stage_bytes(bits: int) -> int:
     return (TILE_N // 16) * K_STEPS_PER_STAGE * 32 * bits
 
 
-def smem_bytes(block_m: int, bits: int, stages: int) -> int:
-    """Dynamic shared memory of one CTA: the A region (ring / epilogue staging) + the B ring."""
-    return a_smem_halves(block_m, stages) * 2 + stages * b_stage_bytes(bits)
+def table_bytes(codebook: str | None) -> int:
+    """Shared memory of the codebook's state table (0 for the arithmetic codebooks)."""
+    return TABLE_BYTES if codebook in TABLE_CODEBOOKS else 0
 
 
-def decode_pair(s0, s1, codebook: str):
-    """Two 16-bit trellis states -> one half2 register of their codebook values."""
+def smem_bytes(block_m: int, bits: int, stages: int, codebook: str | None = None) -> int:
+    """Dynamic shared memory of one CTA: the codebook's state table, the A region (ring /
+    epilogue staging) and the B ring."""
+    return table_bytes(codebook) + a_smem_halves(block_m, stages) * 2 + stages * b_stage_bytes(bits)
+
+
+def stage_table(pTable, t_saddr, tidx, threads: int):
+    """cp.async the 64 KiB state table from global memory into shared memory at `t_saddr`
+    (one commit group; the main loop's first wait covers it, groups retire in order)."""
+    chunks = TABLE_BYTES // 16
+    for i in range(chunks // threads):  # unrolled at trace time
+        q = tidx + threads * i
+        ptx.cp_async_16(t_saddr + q * 16, pTable.toint() + Int64(q * 16))
+    cute.arch.cp_async_commit_group()
+
+
+def persistent_grid(max_blocks, n_tiles: int, sm_count, ctas_per_sm: int):
+    """Grid of a table codebook's GEMM: every resident CTA slot, never more than the work
+    items (each CTA loops over work items with the grid as its stride)."""
+    return cutlass.min(max_blocks * n_tiles, sm_count * ctas_per_sm)
+
+
+def decode_pair(s0, s1, codebook: str, table=None):
+    """Two 16-bit trellis states -> one half2 register of their codebook values (`table`:
+    the shared-memory address of the state table, table codebooks only)."""
+    if codebook == "sqg_e4m3":
+        return ptx.e4m3_table_pair(s0, s1, table)
     if codebook == "mcg":
         x0 = s0 * Uint32(fmt.MCG_MUL)
         x1 = s1 * Uint32(fmt.MCG_MUL)
@@ -137,7 +170,7 @@ def state_windows(bits: int) -> tuple[tuple[int, int], ...]:
     return tuple(plan)
 
 
-def decode_lane_tile(words, q0, bits: int, codebook: str) -> list:
+def decode_lane_tile(words, q0, bits: int, codebook: str, table=None) -> list:
     """This lane's 8 weights of one 16x16 tile -> 4 half2 B registers (pairs in t order).
 
     `words` are the lane's `lane_window(bits)[1]` consecutive ring words (from word
@@ -169,7 +202,7 @@ def decode_lane_tile(words, q0, bits: int, codebook: str) -> list:
         else:
             st = (w >> (16 - r)) & Uint32(0xFFFF)
         states.append(st)
-    return [decode_pair(states[2 * p], states[2 * p + 1], codebook) for p in range(4)]
+    return [decode_pair(states[2 * p], states[2 * p + 1], codebook, table) for p in range(4)]
 
 
 def lane_words(lane, bits: int):
@@ -192,7 +225,7 @@ class TrellisGemm:
 
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                  topk: int, a_rows_per_token: bool, stages: int = DEFAULT_STAGES,
-                 min_ctas_per_sm: int = 1):
+                 min_ctas_per_sm: int = 1, ctas_per_sm: int = 1):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages)
         if reason is not None:
@@ -207,6 +240,9 @@ class TrellisGemm:
         self.stages = stages
         # Register-allocation target (nvvm.minctasm): CTAs that must fit on one SM.
         self.min_ctas_per_sm = min_ctas_per_sm
+        # Table codebooks: resident CTAs per SM of the persistent grid (SMs x this).
+        self.table = codebook in TABLE_CODEBOOKS
+        self.ctas_per_sm = ctas_per_sm
         # Derived once.
         self.m_tiles = (block_m + 15) // 16
         self.m_pad = 16 * self.m_tiles
@@ -219,14 +255,15 @@ class TrellisGemm:
         self.a_chunks = block_m * (K_STEPS_PER_STAGE * 16 * 2 // 16)  # 16-byte copies per stage
         self.b_chunks = K_STEPS_PER_STAGE * (TILE_N // 16) * self.tile_words * 4 // 16
         self.a_iters = (self.a_chunks + THREADS - 1) // THREADS
-        self.smem_bytes = smem_bytes(block_m, bits, stages)
+        self.smem_bytes = smem_bytes(block_m, bits, stages, codebook)
 
     @staticmethod
-    def occupancy_target(block_m: int, bits: int, stages: int, smem_per_sm: int) -> int:
+    def occupancy_target(block_m: int, bits: int, stages: int, smem_per_sm: int,
+                         codebook: str | None = None) -> int:
         """CTAs per SM that shared memory allows (1..MAX_CTAS_PER_SM): the register target
         that keeps registers from being the tighter limit. On sm_90 (228 KB per SM) and the
         default 4 stages: M=8/16 -> 8 (64 regs), 32 -> 6 (80), 48 -> 5 (96), 64 -> 4 (128)."""
-        per_cta = smem_bytes(block_m, bits, stages) + SMEM_RESERVED_PER_CTA
+        per_cta = smem_bytes(block_m, bits, stages, codebook) + SMEM_RESERVED_PER_CTA
         return max(1, min(MAX_CTAS_PER_SM, smem_per_sm // per_cta))
 
     @staticmethod
@@ -245,19 +282,27 @@ class TrellisGemm:
                 return f"{name} {dim} is not a positive multiple of {fmt.HADAMARD_BLOCK}"
         if not 2 <= stages <= MAX_STAGES:
             return f"stages {stages} outside 2..{MAX_STAGES}"
-        need = smem_bytes(block_m, bits, stages)
+        need = smem_bytes(block_m, bits, stages, codebook)
         if smem_limit is not None and need > smem_limit:
-            return f"shared memory {need:,} B > {smem_limit:,} B per-block limit"
+            with_table = (f" (incl. the {table_bytes(codebook) // 1024} KiB {codebook} state table)"
+                          if table_bytes(codebook) else "")
+            return f"shared memory {need:,} B{with_table} > {smem_limit:,} B per-block limit"
         return None
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                  pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
-                 n_routes: Int32, zero_row: Int32, max_blocks: Int32, stream):
+                 n_routes: Int32, zero_row: Int32, max_blocks: Int32, pTable: cute.Pointer,
+                 sm_count: Int32, stream):
         # One CTA per possible work item (the plan's block bound x N tiles); CTAs past the
         # packed block count exit at once, and the hardware scheduler balances the rest.
-        self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOut, n_routes, zero_row).launch(
-            grid=[max_blocks * self.n_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
+        # Table codebooks: one persistent CTA per resident slot instead (see module doc).
+        grid = max_blocks * self.n_tiles
+        if cutlass.const_expr(self.table):
+            grid = persistent_grid(max_blocks, self.n_tiles, sm_count, self.ctas_per_sm)
+        self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOut, n_routes, zero_row,
+                    pTable).launch(
+            grid=[grid, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
             stream=stream, min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
 
     def issue_a(self, ks, buf, a_gaddr, a_saddr, rAsrc, rAbytes, tidx):
@@ -321,23 +366,23 @@ class TrellisGemm:
 
     @cute.jit
     def dispatch(self, n_mt: cutlass.Constexpr, n_used, sB, a_gaddr, a_saddr, rAsrc, rAbytes,
-                 b_gbase, b_saddr, acc, tidx, warp, widx, q0, lm_row, lm_col):
+                 b_gbase, b_saddr, acc, tidx, warp, widx, q0, tab, lm_row, lm_col):
         """`main_loop` specialized for the run-time count `n_used` of m tiles with real rows
         (one copy per count from `n_mt` up to all of them)."""
         if cutlass.const_expr(n_mt == self.m_tiles):
             self.main_loop(n_mt, sB, a_gaddr, a_saddr, rAsrc, rAbytes, b_gbase, b_saddr, acc,
-                           tidx, warp, widx, q0, lm_row, lm_col)
+                           tidx, warp, widx, q0, tab, lm_row, lm_col)
         else:
             if n_used <= n_mt:
                 self.main_loop(n_mt, sB, a_gaddr, a_saddr, rAsrc, rAbytes, b_gbase, b_saddr,
-                               acc, tidx, warp, widx, q0, lm_row, lm_col)
+                               acc, tidx, warp, widx, q0, tab, lm_row, lm_col)
             else:
                 self.dispatch(n_mt + 1, n_used, sB, a_gaddr, a_saddr, rAsrc, rAbytes, b_gbase,
-                              b_saddr, acc, tidx, warp, widx, q0, lm_row, lm_col)
+                              b_saddr, acc, tidx, warp, widx, q0, tab, lm_row, lm_col)
 
     @cute.jit
     def main_loop(self, n_mt: cutlass.Constexpr, sB, a_gaddr, a_saddr, rAsrc, rAbytes, b_gbase,
-                  b_saddr, acc, tidx, warp, widx, q0, lm_row, lm_col):
+                  b_saddr, acc, tidx, warp, widx, q0, tab, lm_row, lm_col):
         """The cp.async ring over the K stages, accumulating the first `n_mt` m tiles."""
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < self.k_stages:
@@ -352,17 +397,17 @@ class TrellisGemm:
                 self.issue_a(nxt, nxt % self.stages, a_gaddr, a_saddr, rAsrc, rAbytes, tidx)
                 self.issue_b(nxt, nxt % self.stages, b_gbase, b_saddr, tidx)
             cute.arch.cp_async_commit_group()
-            self.mma_stage(n_mt, sB, ks % self.stages, a_saddr, acc, warp, widx, q0, lm_row, lm_col)
+            self.mma_stage(n_mt, sB, ks % self.stages, a_saddr, acc, warp, widx, q0, tab, lm_row, lm_col)
 
     @cute.jit
-    def mma_stage(self, n_mt: cutlass.Constexpr, sB, buf, a_saddr, acc, warp, widx, q0, lm_row,
-                  lm_col):
+    def mma_stage(self, n_mt: cutlass.Constexpr, sB, buf, a_saddr, acc, warp, widx, q0, tab,
+                  lm_row, lm_col):
         """Decode this warp's B fragments of stage buffer `buf` and accumulate the rows of the
         first `n_mt` m tiles."""
         for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
             rBf = cute.make_rmem_tensor((2, 4), Uint32)
             for jj in cutlass.range_constexpr(2):
-                halves = self.decode_stage(sB, buf, kk, warp, widx, q0, jj)
+                halves = self.decode_stage(sB, buf, kk, warp, widx, q0, jj, tab)
                 for pair in cutlass.range_constexpr(4):
                     rBf[jj, pair] = halves[pair]
             for mt in cutlass.range_constexpr(n_mt):
@@ -391,15 +436,16 @@ class TrellisGemm:
         tb = buf * self.b_stage_words + (kk * (TILE_N // 16) + n16) * self.tile_words
         return [sB[tb + w] for w in widx]
 
-    def decode_stage(self, sB, buf, kk, warp, widx, q0, jj):
-        """This lane's 4 half2 B registers of tile (k step kk, 16-column tile 2*warp + jj)."""
+    def decode_stage(self, sB, buf, kk, warp, widx, q0, jj, tab=None):
+        """This lane's 4 half2 B registers of tile (k step kk, 16-column tile 2*warp + jj)
+        (`tab`: the state table's shared-memory address, table codebooks only)."""
         return decode_lane_tile(self.stage_words(sB, buf, kk, warp, widx, jj), q0, self.bits,
-                                self.codebook)
+                                self.codebook, tab)
 
     @cute.kernel
     def kernel(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
-               n_routes: Int32, zero_row: Int32):
+               n_routes: Int32, zero_row: Int32, pTable: cute.Pointer):
         big = 1 << 30
         mSorted = cute.make_tensor(pSorted, cute.make_layout(big))
         mBlockExpert = cute.make_tensor(pBlockExpert, cute.make_layout(big))
@@ -408,6 +454,10 @@ class TrellisGemm:
         b_gaddr = pB.toint()
 
         smem = cutlass.memory.SmemAllocator()
+        tab = None
+        if cutlass.const_expr(self.table):
+            sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(TABLE_BYTES), 128)
+            tab = sT.iterator.toint()
         sA = smem.allocate_tensor(cutlass.Float16, cute.make_layout(a_smem_halves(self.block_m, self.stages)), 128)
         sB = smem.allocate_tensor(Uint32, cute.make_layout(self.stages * self.b_stage_words), 128)
         a_saddr = sA.iterator.toint()
@@ -429,43 +479,63 @@ class TrellisGemm:
         rAsrc = cute.make_rmem_tensor((self.a_iters,), Int32)
         rAbytes = cute.make_rmem_tensor((self.a_iters,), Int32)
         acc = cute.make_rmem_tensor((self.m_tiles, 4, 4), Float32)
-        work = bidx
-        if work < total:
-            blk = work // self.n_tiles
-            nt = work - blk * self.n_tiles
-            # Route ids are read before the expert so the loads overlap.
-            # Source rows of this thread's A copies (padding slots: zero-filled, nothing read).
-            for i in cutlass.range_constexpr(self.a_iters):
-                row = ((tidx + THREADS * i) % self.a_chunks) // 8
-                r = mSorted[blk * self.block_m + row]
-                a_row = r
-                if self.a_rows_per_token:
-                    a_row = r // self.topk
-                rAsrc[i] = Int32(cutlass.select_(r < n_routes, a_row, zero_row))
-                rAbytes[i] = Int32(cutlass.select_(r < n_routes, 16, 0))
-            # The epilogue's route ids: lane l holds rows l and 32 + l (clamped to the block).
-            rRoute0 = Int32(mSorted[blk * self.block_m + cutlass.min(lane, self.block_m - 1)])
-            rRoute1 = rRoute0
-            if cutlass.const_expr(self.block_m > 32):
-                rRoute1 = Int32(mSorted[blk * self.block_m + 32 + cutlass.min(lane, self.block_m - 33)])
-            expert = mBlockExpert[blk]
-            if expert >= 0:
-                acc.fill(0.0)
-                b_gbase = b_gaddr + self.b_tile_base(expert, nt)
-                # Only the m tiles holding real rows (a prefix of the block) run their MMAs:
-                # e.g. the last block of an expert, 9 real rows of 64 at 4,096 tokens. Every
-                # warp computes the same ballots, so the branch is uniform across the CTA
-                # (the loop has barriers).
-                n_used = Int32(1)
-                if cutlass.const_expr(self.m_tiles > 1):
-                    n_real = cute.arch.popc(cute.arch.vote_ballot_sync(
-                        (lane < cutlass.min(self.block_m, 32)) & (rRoute0 < n_routes)))
-                    if cutlass.const_expr(self.block_m > 32):
-                        n_real = n_real + cute.arch.popc(cute.arch.vote_ballot_sync(
-                            (lane < self.block_m - 32) & (rRoute1 < n_routes)))
-                    n_used = (n_real + 15) // 16
-                self.dispatch(1, n_used, sB, a_gaddr, a_saddr, rAsrc, rAbytes, b_gbase, b_saddr,
-                              acc, tidx, warp, widx, q0, lm_row, lm_col)
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.sync_threads()  # every warp is done with the A ring it stages through
-                self.store_tile(pOut.toint(), a_saddr, acc, rRoute0, rRoute1, nt, warp, lane, n_routes)
+        lane_ctx = (tidx, warp, lane, widx, q0, tab, lm_row, lm_col)
+        if cutlass.const_expr(self.table):
+            # Persistent CTA: stage the state table once, then every grid-th work item.
+            gdim, _, _ = cute.arch.grid_dim()
+            if bidx < total:
+                stage_table(pTable, tab, tidx, THREADS)
+            for work in range(bidx, total, gdim):
+                self.work_item(work, mSorted, mBlockExpert, pOut, n_routes, zero_row, a_gaddr,
+                               b_gaddr, a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx)
+                cute.arch.sync_threads()  # the next item's copies overwrite the epilogue chunks
+            cute.arch.cp_async_wait_group(0)  # a CTA whose items were all empty: the table
+        else:
+            work = bidx
+            if work < total:
+                self.work_item(work, mSorted, mBlockExpert, pOut, n_routes, zero_row, a_gaddr,
+                               b_gaddr, a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx)
+
+    @cute.jit
+    def work_item(self, work, mSorted, mBlockExpert, pOut, n_routes, zero_row, a_gaddr, b_gaddr,
+                  a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx):
+        """Work item `work` (route block x N tile): A sources, MMAs, epilogue."""
+        tidx, warp, lane, widx, q0, tab, lm_row, lm_col = lane_ctx
+        blk = work // self.n_tiles
+        nt = work - blk * self.n_tiles
+        # Route ids are read before the expert so the loads overlap.
+        # Source rows of this thread's A copies (padding slots: zero-filled, nothing read).
+        for i in cutlass.range_constexpr(self.a_iters):
+            row = ((tidx + THREADS * i) % self.a_chunks) // 8
+            r = mSorted[blk * self.block_m + row]
+            a_row = r
+            if self.a_rows_per_token:
+                a_row = r // self.topk
+            rAsrc[i] = Int32(cutlass.select_(r < n_routes, a_row, zero_row))
+            rAbytes[i] = Int32(cutlass.select_(r < n_routes, 16, 0))
+        # The epilogue's route ids: lane l holds rows l and 32 + l (clamped to the block).
+        rRoute0 = Int32(mSorted[blk * self.block_m + cutlass.min(lane, self.block_m - 1)])
+        rRoute1 = rRoute0
+        if cutlass.const_expr(self.block_m > 32):
+            rRoute1 = Int32(mSorted[blk * self.block_m + 32 + cutlass.min(lane, self.block_m - 33)])
+        expert = mBlockExpert[blk]
+        if expert >= 0:
+            acc.fill(0.0)
+            b_gbase = b_gaddr + self.b_tile_base(expert, nt)
+            # Only the m tiles holding real rows (a prefix of the block) run their MMAs:
+            # e.g. the last block of an expert, 9 real rows of 64 at 4,096 tokens. Every
+            # warp computes the same ballots, so the branch is uniform across the CTA
+            # (the loop has barriers).
+            n_used = Int32(1)
+            if cutlass.const_expr(self.m_tiles > 1):
+                n_real = cute.arch.popc(cute.arch.vote_ballot_sync(
+                    (lane < cutlass.min(self.block_m, 32)) & (rRoute0 < n_routes)))
+                if cutlass.const_expr(self.block_m > 32):
+                    n_real = n_real + cute.arch.popc(cute.arch.vote_ballot_sync(
+                        (lane < self.block_m - 32) & (rRoute1 < n_routes)))
+                n_used = (n_real + 15) // 16
+            self.dispatch(1, n_used, sB, a_gaddr, a_saddr, rAsrc, rAbytes, b_gbase, b_saddr,
+                          acc, tidx, warp, widx, q0, tab, lm_row, lm_col)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # every warp is done with the A ring it stages through
+            self.store_tile(pOut.toint(), a_saddr, acc, rRoute0, rRoute1, nt, warp, lane, n_routes)

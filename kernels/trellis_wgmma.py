@@ -31,6 +31,8 @@ refilling mid-stage instead made ptxas serialize the wgmmas, C7513).
 Bitwise equality across block sizes and spans holds within this kernel (same k order,
 same wgmma shape per k step); it does not hold between this kernel and mma.sync, so the
 plans of one layer always share the MMA kind.
+Table codebooks (sqg_e4m3): as in `TrellisGemm`, the 64 KiB state table sits in front of
+the rings, each CTA stages it once and loops over work items (persistent grid).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from . import ptx
-from .trellis_gemm import (K_STEPS_PER_STAGE, NUM_WARPS, THREADS, TILE_N, TrellisGemm,
-                           b_stage_bytes, decode_lane_tile, lane_words)
+from .trellis_gemm import (K_STEPS_PER_STAGE, NUM_WARPS, TABLE_BYTES, THREADS, TILE_N,
+                           TrellisGemm, b_stage_bytes, decode_lane_tile, lane_words,
+                           persistent_grid, stage_table, table_bytes)
 
 CORE_ROWS = 8  # rows of a wgmma core matrix (the swizzle period)
 K_STEP_BYTES = 16 * 2  # one 16-wide k step of an fp16 activation row
@@ -75,11 +78,13 @@ def warpgroups(rows: int) -> int:
     return 2 if rows > 64 else 1
 
 
-def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1) -> int:
-    """The activation ring (reused by the epilogue's [rows, 132] fp32 tile) + B ring."""
+def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1,
+               codebook: str | None = None) -> int:
+    """The codebook's state table, the activation ring (reused by the epilogue's [rows,
+    132] fp32 tile) and the B ring."""
     rows = span * block_m
     a_region = max(stages * a_stage_bytes(rows), rows * OUT_ROW_FLOATS * 4)
-    return a_region + stages * b_stage_bytes(bits)
+    return table_bytes(codebook) + a_region + stages * b_stage_bytes(bits)
 
 
 def check_span(block_m: int, span: int) -> str | None:
@@ -105,14 +110,15 @@ class TrellisWgmma:
 
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                  topk: int, a_rows_per_token: bool, stages: int, min_ctas_per_sm: int = 1,
-                 span: int = 1):
+                 span: int = 1, ctas_per_sm: int = 1):
         reason = check_span(block_m, span)
         if reason is not None:
             raise ValueError(reason)
         # The mma.sync GEMM owns the shared parts: validity, trellis ring, decode plan.
         self.g = TrellisGemm(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                              codebook=codebook, topk=topk, a_rows_per_token=a_rows_per_token,
-                             stages=stages, min_ctas_per_sm=min_ctas_per_sm)
+                             stages=stages, min_ctas_per_sm=min_ctas_per_sm,
+                             ctas_per_sm=ctas_per_sm)
         self.block_m = block_m
         self.span = span
         self.rows = span * block_m  # wgmma n: activation rows of one work item
@@ -130,16 +136,19 @@ class TrellisWgmma:
         self.n_variants = tuple(sorted({min(16 * i, self.rows)
                                         for i in range(1, (self.rows + 15) // 16 + 1)}))
         self.a_region = max(stages * self.a_stage, self.rows * OUT_ROW_FLOATS * 4)
-        self.smem_bytes = smem_bytes(block_m, bits, stages, span)
+        self.smem_bytes = smem_bytes(block_m, bits, stages, span, codebook)
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                  pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOffsets: cute.Pointer,
                  pCounts: cute.Pointer, pOut: cute.Pointer, n_routes: Int32, zero_row: Int32,
-                 max_blocks: Int32, stream):
+                 max_blocks: Int32, pTable: cute.Pointer, sm_count: Int32, stream):
+        grid = max_blocks * self.g.n_tiles
+        if cutlass.const_expr(self.g.table):
+            grid = persistent_grid(max_blocks, self.g.n_tiles, sm_count, self.g.ctas_per_sm)
         self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOffsets, pCounts, pOut,
-                    n_routes, zero_row).launch(
-            grid=[max_blocks * self.g.n_tiles, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
+                    n_routes, zero_row, pTable).launch(
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
             stream=stream, min_blocks_per_mp=self.g.min_ctas_per_sm, preferred_smem_carveout=100)
 
     @cute.jit
@@ -160,17 +169,18 @@ class TrellisWgmma:
             if rAsrc[i] >= 0:  # rows past the real ones are not copied (their outputs are
                 ptx.cp_async_16(dst, src)  # discarded; a wgmma column only feeds its own row)
 
-    def decode_a(self, sB, buf, kk, n16, widx, q0):
+    def decode_a(self, sB, buf, kk, n16, widx, q0, tab):
         """A registers (W_hat^T fragment) of 16x16 tile (k step kk, output tile n16)."""
         g = self.g
         words = g.tile_words_at(sB, buf, kk, n16, widx)
-        h = decode_lane_tile(words, q0, g.bits, g.codebook)
+        h = decode_lane_tile(words, q0, g.bits, g.codebook, tab)
         return h[0], h[2], h[1], h[3]
 
     @cute.kernel
     def kernel(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOffsets: cute.Pointer,
-               pCounts: cute.Pointer, pOut: cute.Pointer, n_routes: Int32, zero_row: Int32):
+               pCounts: cute.Pointer, pOut: cute.Pointer, n_routes: Int32, zero_row: Int32,
+               pTable: cute.Pointer):
         big = 1 << 30
         mSorted = cute.make_tensor(pSorted, cute.make_layout(big))
         mBlockExpert = cute.make_tensor(pBlockExpert, cute.make_layout(big))
@@ -181,6 +191,10 @@ class TrellisWgmma:
         b_gaddr = pB.toint()
 
         smem = cutlass.memory.SmemAllocator()
+        tab = None
+        if cutlass.const_expr(self.g.table):
+            sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(TABLE_BYTES), 1024)
+            tab = sT.iterator.toint()
         sA = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.a_region), 1024)
         sB = smem.allocate_tensor(Uint32, cute.make_layout(self.g.stages * self.g.b_stage_words), 128)
         a_saddr = sA.iterator.toint()
@@ -197,61 +211,83 @@ class TrellisWgmma:
         rAsrc = cute.make_rmem_tensor((self.a_iters,), Int32)
         rRoute = cute.make_rmem_tensor((self.route_regs,), Int32)
         acc = cute.make_rmem_tensor((self.m64_per_wg, self.n_acc), Float32)
-        work = bidx
-        if work < total:
-            blk = work // self.g.n_tiles
-            nt = work - blk * self.g.n_tiles
-            expert = mBlockExpert[blk]
-            # A span's leader (block j of its expert, j a multiple of `span`) takes the
-            # expert's next `span` blocks; other blocks of the span exit. n_real: the
-            # work item's rows that hold real routes (a prefix), from the expert's count.
-            lead = expert >= 0
-            e_safe = cutlass.max(expert, 0)
-            j = blk - mOffsets[e_safe] // self.block_m
-            if cutlass.const_expr(self.span > 1):
-                lead = lead & (j % self.span == 0)
-            n_real = cutlass.max(cutlass.min(mCounts[e_safe] - j * self.block_m, self.rows), 1)
-            base = blk * self.block_m
-            for i in cutlass.range_constexpr(self.a_iters):
-                row = ((tidx + self.threads * i) % self.a_chunks) // 8
-                r = mSorted[base + cutlass.min(row, n_real - 1)]
-                a_row = r
-                if self.g.a_rows_per_token:
-                    a_row = r // self.g.topk
-                rAsrc[i] = Int32(cutlass.select_(row < n_real, a_row, -1))
-            for i in cutlass.range_constexpr(self.route_regs):
-                row = 32 * i + lane
-                r = mSorted[base + cutlass.min(row, n_real - 1)]
-                rRoute[i] = Int32(cutlass.select_(row < n_real, r, n_routes))
-            if lead:
-                acc.fill(0.0)
-                b_gbase = b_gaddr + self.g.b_tile_base(expert, nt)
-                self.dispatch(0, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr, acc,
-                              tidx, warp, widx, q0)
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.sync_threads()  # the activation ring becomes the epilogue tile
-                self.store_tile(pOut.toint(), a_saddr, acc, rRoute, nt, warp, lane, n_routes)
+        groups = (mSorted, mBlockExpert, mOffsets, mCounts)
+        lane_ctx = (tidx, warp, lane, widx, q0, tab)
+        if cutlass.const_expr(self.g.table):
+            # Persistent CTA: stage the state table once, then every grid-th work item.
+            gdim, _, _ = cute.arch.grid_dim()
+            if bidx < total:
+                stage_table(pTable, tab, tidx, self.threads)
+            for work in range(bidx, total, gdim):
+                self.work_item(work, groups, pOut, n_routes, a_gaddr, b_gaddr, a_saddr, b_saddr,
+                               sB, rAsrc, rRoute, acc, lane_ctx)
+                cute.arch.sync_threads()  # the next item's copies overwrite the epilogue tile
+            cute.arch.cp_async_wait_group(0)  # a CTA whose items were all empty: the table
+        else:
+            work = bidx
+            if work < total:
+                self.work_item(work, groups, pOut, n_routes, a_gaddr, b_gaddr, a_saddr, b_saddr,
+                               sB, rAsrc, rRoute, acc, lane_ctx)
+
+    @cute.jit
+    def work_item(self, work, groups, pOut, n_routes, a_gaddr, b_gaddr, a_saddr, b_saddr, sB,
+                  rAsrc, rRoute, acc, lane_ctx):
+        """Work item `work` (route block x N tile; a span's leader takes `span` blocks)."""
+        mSorted, mBlockExpert, mOffsets, mCounts = groups
+        tidx, warp, lane, widx, q0, tab = lane_ctx
+        blk = work // self.g.n_tiles
+        nt = work - blk * self.g.n_tiles
+        expert = mBlockExpert[blk]
+        # A span's leader (block j of its expert, j a multiple of `span`) takes the
+        # expert's next `span` blocks; other blocks of the span exit. n_real: the
+        # work item's rows that hold real routes (a prefix), from the expert's count.
+        lead = expert >= 0
+        e_safe = cutlass.max(expert, 0)
+        j = blk - mOffsets[e_safe] // self.block_m
+        if cutlass.const_expr(self.span > 1):
+            lead = lead & (j % self.span == 0)
+        n_real = cutlass.max(cutlass.min(mCounts[e_safe] - j * self.block_m, self.rows), 1)
+        base = blk * self.block_m
+        for i in cutlass.range_constexpr(self.a_iters):
+            row = ((tidx + self.threads * i) % self.a_chunks) // 8
+            r = mSorted[base + cutlass.min(row, n_real - 1)]
+            a_row = r
+            if self.g.a_rows_per_token:
+                a_row = r // self.g.topk
+            rAsrc[i] = Int32(cutlass.select_(row < n_real, a_row, -1))
+        for i in cutlass.range_constexpr(self.route_regs):
+            row = 32 * i + lane
+            r = mSorted[base + cutlass.min(row, n_real - 1)]
+            rRoute[i] = Int32(cutlass.select_(row < n_real, r, n_routes))
+        if lead:
+            acc.fill(0.0)
+            b_gbase = b_gaddr + self.g.b_tile_base(expert, nt)
+            self.dispatch(0, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr, acc,
+                          tidx, warp, widx, q0, tab)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # the activation ring becomes the epilogue tile
+            self.store_tile(pOut.toint(), a_saddr, acc, rRoute, nt, warp, lane, n_routes)
 
     @cute.jit
     def dispatch(self, vi: cutlass.Constexpr, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase,
-                 b_saddr, acc, tidx, warp, widx, q0):
+                 b_saddr, acc, tidx, warp, widx, q0, tab):
         """`main_loop` for the smallest wgmma n of `n_variants` (from index vi) that covers
         the run-time real row count `n_real`."""
         n = self.n_variants[vi]
         if cutlass.const_expr(vi == len(self.n_variants) - 1):
             self.main_loop(n // 2, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr, acc, tidx,
-                           warp, widx, q0)
+                           warp, widx, q0, tab)
         else:
             if n_real <= n:
                 self.main_loop(n // 2, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr, acc,
-                               tidx, warp, widx, q0)
+                               tidx, warp, widx, q0, tab)
             else:
                 self.dispatch(vi + 1, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr,
-                              acc, tidx, warp, widx, q0)
+                              acc, tidx, warp, widx, q0, tab)
 
     @cute.jit
     def main_loop(self, n_acc: cutlass.Constexpr, sB, a_gaddr, a_saddr, rAsrc, b_gbase,
-                  b_saddr, acc, tidx, warp, widx, q0):
+                  b_saddr, acc, tidx, warp, widx, q0, tab):
         """The cp.async ring over the K stages with wgmma n = 2 * n_acc (the first n_acc
         accumulators per m64 tile: a prefix of the columns)."""
         for s in cutlass.range_constexpr(self.g.stages - 1):
@@ -269,7 +305,7 @@ class TrellisWgmma:
                 self.issue_a(nxt, nxt % self.g.stages, a_gaddr, a_saddr, rAsrc, tidx)
                 self.g.issue_b(nxt, nxt % self.g.stages, b_gbase, b_saddr, tidx, self.threads)
             cute.arch.cp_async_commit_group()
-            self.mma_steps(sB, ks % self.g.stages, a_saddr, acc, warp, widx, q0, n_acc)
+            self.mma_steps(sB, ks % self.g.stages, a_saddr, acc, warp, widx, q0, tab, n_acc)
         self.wait_acc(acc, 0, n_acc)
 
     @cute.jit
@@ -283,7 +319,7 @@ class TrellisWgmma:
                 acc[t, j] = vals[t * n_acc + j]
 
     @cute.jit
-    def mma_steps(self, sB, buf, a_saddr, acc, warp, widx, q0, n_acc: cutlass.Constexpr):
+    def mma_steps(self, sB, buf, a_saddr, acc, warp, widx, q0, tab, n_acc: cutlass.Constexpr):
         """The k steps of stage buffer `buf`. Per k step: this warpgroup's m64 tiles t cover
         output columns 64 * (wg * m64_per_wg + t) .. + 63; warp w of the group decodes their
         16-column tile w; wgmma n = 2 * n_acc."""
@@ -293,7 +329,7 @@ class TrellisWgmma:
             if cutlass.const_expr(kk >= 2):
                 self.wait_acc(acc, 1, n_acc)  # step kk - 2 read the registers reused here
             frags = [self.decode_a(sB, buf, kk, (wg * self.m64_per_wg + t) * NUM_WARPS + wq,
-                                   widx, q0) for t in range(self.m64_per_wg)]
+                                   widx, q0, tab) for t in range(self.m64_per_wg)]
             desc = smem_descriptor_sw128(a_saddr + buf * self.a_stage + kk * K_STEP_BYTES)
             ptx.wgmma_fence()
             for t in cutlass.range_constexpr(self.m64_per_wg):

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"intermediate size I per rank (default {g.intermediate})")
     geo.add_argument("--topk", type=_positive_int, default=g.topk, help=f"experts per token (default {g.topk})")
     geo.add_argument("--bits", type=_positive_int, default=g.bits, help=f"trellis bits per weight K (default {g.bits})")
-    geo.add_argument("--codebook", default=g.codebook, help=f"mcg, 3inst or mul1 (default {g.codebook})")
+    geo.add_argument("--codebook", default=g.codebook, help=f"mcg, 3inst, mul1 or sqg_e4m3 (default {g.codebook})")
     geo.add_argument("--act-dtype", type=_dtype, default=g.act_dtype, help=f"bf16 or fp16 (default {g.act_dtype})")
     geo.add_argument("--out-dtype", type=_dtype, default=g.out_dtype,
                      help=f"fp32, bf16 or fp16 (default {g.out_dtype})")

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from . import trellis
 from .compiler import ForwardPlan, plan_forward
 from .kernels.moe import ARG_NAMES, MoESpec
 from .planners import resolve_env
@@ -146,6 +147,13 @@ class MoELayer:
                 raise ValueError(f"weights.{name} must be contiguous and 16-byte aligned")
         # A placeholder int32 so the expert_map argument always has a valid address.
         self._no_map = torch.full((1,), -1, dtype=torch.int32, device=self.device)
+        # The codebook's state table (sqg_e4m3: 64 KiB of E4M3 bytes, staged into shared
+        # memory by each persistent GEMM CTA); other codebooks read none (any address).
+        if weights.codebook == "sqg_e4m3":
+            self._table = trellis.sqg_state_table(weights.bits, self.device)
+        else:
+            self._table = torch.zeros(16, dtype=torch.uint8, device=self.device)
+        self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def _view(self, name: str) -> torch.Tensor:
         sl = self.scratch
@@ -214,7 +222,8 @@ class MoELayer:
         tensors = dict(self._weight_tensors)
         tensors.update(self._views)
         tensors.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, out=out,
-                       expert_map=expert_map if expert_map is not None else self._no_map)
+                       expert_map=expert_map if expert_map is not None else self._no_map,
+                       codebook_table=self._table)
         n = self.capacity * self.topk
         slots = padded_route_slots(m * self.topk, self.weights.num_experts, plan.spec.block_m)
         ints = {
@@ -222,6 +231,7 @@ class MoELayer:
             "max_blocks": slots // plan.spec.block_m,
             "rows_cap": self.capacity if plan.spec.shared_hidden_vectors else n,
             "routes_cap": n,
+            "sm_count": self._sm_count,
         }
         return BoundForward(plan, tensors, ints, out)
 

@@ -57,6 +57,7 @@ __all__ = [
     "state_to_value",
     "codebook_lut",
     "t12_table",
+    "sqg_state_table",
     "tile_position_map",
     "tile_inverse_position_map",
     "tiles_to_matrix",
@@ -199,7 +200,8 @@ def _mul1_value(x: torch.Tensor) -> torch.Tensor:
     return (h * k_inv + k_bias).half().float()
 
 
-def _sqg_value(x: torch.Tensor, bits: int) -> torch.Tensor:
+def _sqg_byte(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """E4M3FN byte (int64) of each sqg_e4m3 state: T12[rank(x) >> 4]."""
     w = STATE_BITS - bits
     m_mask = (1 << w) - 1
     h = x >> bits
@@ -214,8 +216,11 @@ def _sqg_value(x: torch.Tensor, bits: int) -> torch.Tensor:
     j = rev ^ (p >> (32 - bits))
     rank = (j << w) | phase
     table = t12_table(device=x.device).long()
-    byte = table[rank >> 4]
-    return byte.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    return table[rank >> 4]
+
+
+def _sqg_value(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return _sqg_byte(x, bits).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 def state_to_value(states: torch.Tensor, codebook: str, bits: int) -> torch.Tensor:
@@ -263,6 +268,24 @@ def codebook_lut(
         with _lock:
             lut = _LUT_CACHE.setdefault(key, lut)
     return lut
+
+
+def sqg_state_table(bits: int, device: Optional[torch.device | str] = None) -> torch.Tensor:
+    """uint8 [65536]: the E4M3FN byte of every 16-bit sqg_e4m3 state at ``bits`` per
+    weight (``table[x] = T12[rank(x) >> 4]``), the direct table the fused kernels stage in
+    shared memory. Cached per K / device; the tensor is shared, do not modify it."""
+    check_codebook("sqg_e4m3", bits)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    key = ("sqg_e4m3_bytes", bits, _key(dev))
+    table = _LUT_CACHE.get(key)
+    if table is None:
+        if dev.type != "cpu":
+            table = sqg_state_table(bits).to(dev)
+        else:
+            table = _sqg_byte(torch.arange(1 << STATE_BITS), bits).to(torch.uint8)
+        with _lock:
+            table = _LUT_CACHE.setdefault(key, table)
+    return table
 
 
 def _generate_t12() -> torch.Tensor:

@@ -55,12 +55,24 @@ def _needs_sm90(mma):
         pytest.skip("wgmma needs an sm_90 GPU")
 
 
+def _table(codebook, bits):
+    """The state table the kernels read (sqg_e4m3), else a placeholder they never read."""
+    from kquant_cute import trellis
+
+    if codebook == "sqg_e4m3":
+        return trellis.sqg_state_table(bits, "cuda")
+    return torch.zeros(16, dtype=torch.uint8, device="cuda")
+
+
 @pytest.mark.parametrize("mma", ["sync", "wgmma"])
-@pytest.mark.parametrize("codebook", ["mcg", "3inst", "mul1"])
+@pytest.mark.parametrize("codebook", ["mcg", "3inst", "mul1", "sqg_e4m3"])
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
 def test_decode_bit_exact_through_gemm(codebook, bits, mma):
-    """Identity activations make the GEMM output the decoded weights exactly."""
+    """Identity activations make the GEMM output the decoded weights exactly (sqg_e4m3:
+    the persistent grid with fewer CTAs than work items, so CTAs loop)."""
     _needs_sm90(mma)
+    if codebook == "sqg_e4m3" and bits > 4:
+        pytest.skip("sqg_e4m3 is defined for K = 2..4")
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -90,9 +102,12 @@ def test_decode_bit_exact_through_gemm(codebook, bits, mma):
     if mma == "wgmma":  # per-expert padded offsets and counts (read by spans only)
         offsets = torch.tensor([0, k_dim], dtype=torch.int32, device="cuda")
         groups += [P(offsets, cutlass.Int32), P(num, cutlass.Int32)]
+    table = _table(codebook, bits)
+    # sm_count 1: a table codebook's grid is 1 x ctas_per_sm (1) CTA for the 16 work items.
     args = [P(a, cutlass.Float16), P(codes, cutlass.Int16), P(routes, cutlass.Int32),
             *groups, P(out, cutlass.Float32),
             cutlass.Int32(k_dim), cutlass.Int32(k_dim), cutlass.Int32(k_dim // block_m),
+            P(table, cutlass.Uint8), cutlass.Int32(1),
             cuda.CUstream(torch.cuda.current_stream().cuda_stream)]
     fn = cute.compile(gemm, *args)
     fn(*args)
@@ -101,7 +116,8 @@ def test_decode_bit_exact_through_gemm(codebook, bits, mma):
     assert torch.equal(out.cpu(), ref), (out.cpu() - ref).abs().max()
 
 
-@pytest.mark.parametrize("codebook,bits", [("mcg", 4), ("mcg", 3), ("mul1", 2), ("3inst", 6)])
+@pytest.mark.parametrize("codebook,bits", [("mcg", 4), ("mcg", 3), ("mul1", 2), ("3inst", 6),
+                                           ("sqg_e4m3", 2), ("sqg_e4m3", 3)])
 def test_decode_only_kernel_checksum(codebook, bits):
     """The decode-only ceiling kernel decodes every weight of the listed experts: its
     per-thread checksum equals the host model bit for bit (poisoned output first)."""
@@ -127,7 +143,8 @@ def test_decode_only_kernel_checksum(codebook, bits):
         return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
     fn(P(codes, cutlass.Int16), P(experts, cutlass.Int32), P(out, cutlass.Uint32),
-       cutlass.Int32(3), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+       P(_table(codebook, bits), cutlass.Uint8), cutlass.Int32(3), cutlass.Int32(1),
+       cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
     want = reference_checksum(codes.cpu(), experts.cpu(), codebook)
     assert torch.equal(out.cpu().to(torch.int64) & 0xFFFFFFFF, want)
@@ -374,3 +391,77 @@ def test_output_in_activation_dtype(act_dtype, out_dtype):
     assert out.dtype == out_dtype and not torch.isnan(out).any()
     ref = reference_moe(x, ids, w, wts, dtype=torch.float64)
     assert _rel_err(out, ref) < (1e-2 if act_dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.parametrize("mma", ["sync", "wgmma"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_sqg_e4m3_layer(bits, mma):
+    """QSRT sqg_e4m3 weights through the fused forward (persistent table GEMMs): the fp64
+    reference on fresh random weights / inputs with NaN-poisoned outputs at several m,
+    bitwise-equal outputs for every route block M (edge routings included), and CUDA-graph
+    replay of the decode plan bitwise equal to eager."""
+    _needs_sm90(mma)
+    from kquant_cute.reference import reference_moe
+    from kquant_cute.weights import MoEWeights
+
+    wts = MoEWeights.random(E_SMALL, H_SMALL, I_SMALL, bits, "sqg_e4m3",
+                            shared_hidden_vectors=True, seed=40 + bits, device="cuda")
+    layer = _layer(wts, topk=TOPK_SMALL, capacity=160, activation="situ", mma=mma)
+    for m in (1, 7, 16, 160):
+        x, ids, w = _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=300 + m)
+        out = _run(layer, x, ids, w)
+        assert not torch.isnan(out).any(), f"m={m}: unwritten output elements"
+        ref = reference_moe(x, ids, w, wts, activation="situ", dtype=torch.float64)
+        err = _rel_err(out, ref)
+        assert err < 1e-2, f"K={bits} {mma} m={m}: rel err {err:.3e}"
+    m = 93
+    layers = {M: _layer(wts, topk=TOPK_SMALL, capacity=m, pin=M, activation="situ", mma=mma)
+              for M in (8, 16, 32, 48, 64)}
+    for name, ids in {"random": None,
+                      "one_expert": torch.full((m, TOPK_SMALL), 3, dtype=torch.int32,
+                                               device="cuda")}.items():
+        x, ids, w = _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=17, ids=ids)
+        ref = reference_moe(x, ids, w, wts, activation="situ", dtype=torch.float64)
+        base = None
+        for M, lay in layers.items():
+            bound = lay.bind(x, ids, w)
+            assert bound.block_m == M
+            lay.output.fill_(float("nan"))
+            out = bound.run().clone()
+            torch.cuda.synchronize()
+            assert _rel_err(out, ref) < 1e-2, f"{name} M={M}"
+            base = out if base is None else base
+            assert torch.equal(out, base), f"{name}: M={M} differs from M=8"
+    for m in (1, 8):
+        x, ids, w = _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=500 + m)
+        bound = layer.bind(x, ids, w)
+        bound.run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            bound.run()
+        x2, ids2, w2 = _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=600 + m)
+        x.copy_(x2)
+        ids.copy_(ids2)
+        w.copy_(w2)
+        layer.output.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = layer.output[:m].clone()
+        assert torch.equal(replayed, _run(layer, x, ids, w)), f"m={m}: replay != eager"
+
+
+def test_sqg_e4m3_brief_geometry_1536_tokens():
+    """The production QSRT rate (uniform K=2 sqg_e4m3) at the BRIEF geometry, 1,536 tokens,
+    plan's M (the uncoupled layer: transforms are the QSRT loader's)."""
+    from kquant_cute.reference import reference_moe
+    from kquant_cute.weights import MoEWeights
+
+    wts = MoEWeights.random(896, 3584, 384, 2, "sqg_e4m3", shared_hidden_vectors=True, seed=0,
+                            device="cuda")
+    layer = _layer(wts, topk=16, capacity=1536, activation="situ")
+    x, ids, w = _inputs(1536, 3584, 16, 896, torch.bfloat16, seed=1)
+    out = _run(layer, x, ids, w)
+    assert not torch.isnan(out).any()
+    ref = reference_moe(x, ids, w, wts, activation="situ", dtype=torch.float64)
+    assert _rel_err(out, ref) < 1e-2

@@ -87,7 +87,10 @@ def test_static_rejections_name_the_reason():
     assert "multiple of 128" in spec.replace(hidden=3500).check()
     assert "block_m" in spec.replace(block_m=12).check()
     assert "bits" in spec.replace(bits=7).check()
-    assert "no mma decode path" in spec.replace(codebook="sqg_e4m3", bits=4).check()
+    assert "no mma decode path" in spec.replace(codebook="bogus").check()
+    assert spec.replace(codebook="sqg_e4m3", bits=4).check() is None
+    assert "bits 5 outside 2..4" in spec.replace(codebook="sqg_e4m3", bits=5).check()
+    assert "sm_89 or later" in spec.replace(codebook="sqg_e4m3", arch="sm_86", mma="sync").check()
     assert "stages" in spec.replace(stages=1).check()
     assert "mma 'mfma' not in" in spec.replace(mma="mfma").check()
     assert "span must be an int >= 0" in spec.replace(mma="wgmma", span=-1).check()
@@ -146,3 +149,44 @@ def test_mma_kind_resolves_per_arch_and_wgmma_compiles_at_every_span(cache):
                                                   cache)["kernels"]}["TrellisGemm"]["registers"]
     assert regs[64, 1] < sync64
     assert regs[8, 1] < regs[64, 1]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sqg_e4m3_compiles_with_its_state_table(arch, cache):
+    """sqg_e4m3 at K = 2, 3, 4: the GEMM (wgmma on sm_90a, mma.sync elsewhere) holds the
+    64 KiB state table in front of its rings (measured shared memory), spills nothing, and
+    its persistent grid's CTAs per SM are what shared memory allows. On sm_120 (99 KB per
+    block) M=64 is rejected before compiling, naming the table."""
+    from kquant_cute.kernels.trellis_gemm import TABLE_BYTES
+
+    limits = arch_limits(arch)
+    name = "TrellisWgmma" if arch == "sm_90a" else "TrellisGemm"
+    per_sm = limits.smem_per_block_optin + 1024
+    for bits, m in ((2, 8), (3, 16), (4, 32)):
+        spec = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=bits, block_m=m, arch=arch)
+        verdict = geometry_check(spec, cache)
+        assert verdict.ok, (bits, m, verdict.reason)
+        assert verdict.spills == 0 and 0 < verdict.registers <= limits.regs_per_thread_max
+        gemm = {k["kernel"]: k for k in _resources(spec, cache)["kernels"]}[name]
+        dynamic = spec.dynamic_smem()[name]
+        assert gemm["shared"] >= dynamic > TABLE_BYTES
+        ctas = spec.gemm_resident_ctas()
+        assert ctas * (dynamic + 1024) <= per_sm < (ctas + 1) * (dynamic + 1024)
+    if arch == "sm_120a":
+        reason = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=4, block_m=64,
+                                          arch=arch).check(limits.smem_per_block_optin)
+        assert "64 KiB sqg_e4m3 state table" in reason and "101,376" in reason
+
+
+def test_sqg_e4m3_sm120_plan_falls_back_to_a_block_that_fits(cache):
+    """The 64 KiB table leaves sm_120 room for M <= 32 at K=4: the prefill plan for 4,096
+    tokens (policy M=64) falls back to 32 with both rejections recorded; sm_90 keeps 64."""
+    base = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=4)
+    env = resolve_env({})
+    p120 = plan_forward(base, capacity=4096, arch="sm_120", env=env, cache=cache)
+    walk = [(d.block_m, d.ok) for d in p120.layout.decisions]
+    assert walk == [(64, False), (48, False), (32, True)]
+    assert all("state table" in d.reason for d in p120.layout.decisions if not d.ok)
+    assert p120.prefill.spec.block_m == 32 and p120.decode.spec.block_m == 8
+    assert "M=48: rejected" in p120.describe()
+    assert geometry_check(base.replace(block_m=64, arch="sm_90a"), cache).ok

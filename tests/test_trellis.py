@@ -287,6 +287,20 @@ def test_sqg_lut_matches_reference_on_sampled_states(bits):
     assert [float(lut[s]) for s in states] == [ref_sqg(s, bits) for s in states]
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_sqg_state_table_is_the_byte_of_every_state(bits):
+    """The kernels' direct table: byte x = E4M3FN of state x (BRIEF check at state 0, the
+    independent reference on sampled states, the LUT everywhere)."""
+    table = tc.sqg_state_table(bits)
+    assert table.dtype == torch.uint8 and table.shape == (65536,)
+    assert int(table[0]) == {2: 0x46, 3: 0x3D, 4: 0x3A}[bits]
+    states = list(range(0, 65536, 89)) + [65535]
+    assert [ref_e4m3_value(int(table[s])) for s in states] == [ref_sqg(s, bits) for s in states]
+    assert torch.equal(table.view(torch.float8_e4m3fn).float(), tc.codebook_lut("sqg_e4m3", bits))
+    with pytest.raises(ValueError, match="2..4"):
+        tc.sqg_state_table(5)
+
+
 # --------------------------------------------------------------------------------------
 # Tile layout and bitstream
 # --------------------------------------------------------------------------------------
