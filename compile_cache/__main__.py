@@ -34,9 +34,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
 
-    cache = CompileCache(args.dir, frozen=False)
+    # Listing and clearing never create a missing directory.
+    cache = CompileCache(args.dir, frozen=False, create=False)
     if args.clear:
-        removed = cache.clear()
+        try:
+            removed = cache.clear()
+        except OSError as exc:
+            print(f"error: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         print(json.dumps({"removed": removed}) if args.json else f"removed {removed} entries from {cache.directory}")
         return 0
     if args.info:

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import datetime as _dt
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -47,7 +49,7 @@ from typing import Any, Literal
 
 from . import keys as _keys
 from .keys import PathLike, canonical_json, make_key, runtime_versions
-from .store import CorruptEntry, DiskStore, StoredEntry, probe_directory
+from .store import CorruptEntry, DiskStore, StoredEntry, probe_directory, sweep_stale
 
 __all__ = [
     "BuildFn",
@@ -65,6 +67,8 @@ __all__ = [
 
 ENV_DIR = "KQUANT_COMPILE_CACHE_DIR"
 ENV_FREEZE = "KQUANT_COMPILE_FREEZE"
+#: Private temp directories of memory-only builds (``kquant_cc_<pid>_<rand>``).
+_MEMORY_TMP_RE = re.compile(r"^kquant_cc_(?:(?P<pid>[0-9]+)_)?[A-Za-z0-9_]+$")
 
 #: ``build()`` returns ``(payload bytes, extra JSON metadata such as registers/smem)``.
 BuildFn = Callable[[], "tuple[bytes, Mapping[str, Any]]"]
@@ -236,6 +240,9 @@ class CompileCache:
     ``KQUANT_COMPILE_FREEZE``. ``lock_timeout``: seconds to wait for another process that
     is building the same key before building anyway. ``environ``: mapping read instead of
     ``os.environ`` for the two variables above (keys still read ``os.environ``).
+    ``create=False``: a directory that does not exist is not created (for listing and
+    checking: the cache is then memory only, ``disk_mode`` ``"off"``, without a warning).
+    Opening a writable directory removes stale temp files of killed writers.
     """
 
     def __init__(
@@ -246,6 +253,7 @@ class CompileCache:
         frozen: bool | None = None,
         lock_timeout: float = 900.0,
         environ: Mapping[str, str] | None = None,
+        create: bool = True,
     ) -> None:
         env = os.environ if environ is None else environ
         self._frozen = parse_freeze_env(env) if frozen is None else bool(frozen)
@@ -263,7 +271,9 @@ class CompileCache:
         if not disk:
             return
         self._directory = resolve_cache_dir(env) if directory is None else _validated_dir(directory, "directory")
-        mode, reason = probe_directory(self._directory)
+        mode, reason = probe_directory(self._directory, create=create)
+        if mode == "absent":
+            return
         if mode == "none":
             self._degrade(reason or "directory unusable", "off")
             return
@@ -271,6 +281,8 @@ class CompileCache:
         self._mode = "rw"
         if mode == "ro":
             self._degrade(reason or "directory not writable", "ro")
+        else:
+            self._store.sweep_temps()
 
     # -- state -----------------------------------------------------------------------
     @property
@@ -612,7 +624,8 @@ class CompileCache:
             key=key,
             payload={"file": None, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()},
         )
-        with tempfile.TemporaryDirectory(prefix="kquant_cc_") as tmp:
+        sweep_stale(tempfile.gettempdir(), _MEMORY_TMP_RE)
+        with tempfile.TemporaryDirectory(prefix=f"kquant_cc_{os.getpid()}_") as tmp:
             path = os.path.join(tmp, key + ".bin")
             with open(path, "wb") as f:
                 f.write(payload)
@@ -680,14 +693,34 @@ class CompileCache:
         return out
 
     def clear(self) -> int:
-        """Empty memory and (when writable) the disk; return the number of disk entries removed."""
+        """Empty memory and the disk; return the number of disk entries removed.
+
+        Raises PermissionError naming the directory when it holds entries this process
+        cannot remove (a read-only or unusable cache directory): a clear that leaves the
+        entries in place must not look like a successful one. A directory that does not
+        exist (or a memory-only cache) has nothing to remove: 0.
+        """
         with self._mu:
             self._memory.clear()
             self._key_memo.clear()
         store = self._store
-        if self._mode != "rw" or store is None:
+        if self._directory is None or (self._mode == "off" and not os.path.lexists(self._directory)):
             return 0
-        return store.clear()
+        if self._mode != "rw" or store is None:
+            raise PermissionError(
+                errno.EACCES,
+                f"cannot clear the compile cache: {self._directory} is not writable "
+                f"({self._degraded_reason or 'read-only'}); its entries were left in place",
+                self._directory,
+            )
+        try:
+            return store.clear()
+        except OSError as exc:
+            raise PermissionError(
+                exc.errno or errno.EACCES,
+                f"cannot clear the compile cache in {self._directory}: {exc.strerror or exc}",
+                self._directory,
+            ) from exc
 
 
 _DEFAULT: CompileCache | None = None

@@ -18,7 +18,9 @@ is fsynced and then ``os.replace``-d into place. Readers take no lock; a reader 
 an inconsistent pair reports :class:`CorruptEntry` and the caller re-checks under the key
 lock before deleting anything, so a reader never deletes an entry a writer is replacing.
 Only files matching these patterns are ever listed or deleted, so a cache directory may
-be shared with unrelated files.
+be shared with unrelated files. A writer killed between creating and renaming its temp
+file leaves it behind; :meth:`DiskStore.sweep_temps` (run when a cache opens a writable
+directory) removes such leftovers once they are stale (:func:`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -31,17 +33,25 @@ import json
 import os
 import re
 import secrets
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CorruptEntry", "DiskStore", "StoredEntry", "probe_directory"]
+__all__ = ["CorruptEntry", "DiskStore", "StoredEntry", "probe_directory", "sweep_stale"]
 
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _ENTRY_FILE_RE = re.compile(r"^([0-9a-f]{64})\.(bin|json|lock)$")
-_TMP_FILE_RE = re.compile(r"^\.[0-9a-f]{64}\.(bin|json)\.[0-9]+\.[0-9a-f]+\.tmp$")
+_TMP_FILE_RE = re.compile(r"^\.[0-9a-f]{64}\.(bin|json)\.(?P<pid>[0-9]+)\.[0-9a-f]+\.tmp$")
+
+#: A temp file or directory whose writer process is gone is stale after this many seconds
+#: (a payload write takes milliseconds; the grace covers a writer on another host sharing
+#: the directory, whose pid means nothing here).
+DEAD_WRITER_GRACE_SECONDS = 60.0
+#: Any temp older than this is stale whatever its pid says (pids are reused).
+STALE_TEMP_SECONDS = 3600.0
 
 PAYLOAD_SUFFIX = ".bin"
 META_SUFFIX = ".json"
@@ -61,15 +71,18 @@ class StoredEntry:
     meta: dict[str, Any]
 
 
-def probe_directory(path: str) -> tuple[str, str | None]:
-    """Create ``path`` if needed and find out what may be done there.
+def probe_directory(path: str, *, create: bool = True) -> tuple[str, str | None]:
+    """Create ``path`` if needed (and ``create``) and find out what may be done there.
 
     Returns ``(mode, reason)`` with mode ``"rw"`` (read and write), ``"ro"`` (an existing
-    directory we can read but not write) or ``"none"`` (no usable directory); ``reason``
-    explains anything short of ``"rw"``. Writability is tested by really creating and
-    removing a probe file, because ``os.access`` answers "yes" for root on a chmod-0o500
-    directory and "yes" on read-only mounts.
+    directory we can read but not write), ``"absent"`` (no such path and ``create`` is
+    False) or ``"none"`` (no usable directory); ``reason`` explains anything short of
+    ``"rw"``. Writability is tested by really creating and removing a probe file, because
+    ``os.access`` answers "yes" for root on a chmod-0o500 directory and "yes" on read-only
+    mounts.
     """
+    if not create and not os.path.lexists(path):
+        return "absent", f"{path} does not exist"
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
@@ -92,6 +105,59 @@ def _probe_existing(path: str) -> tuple[str, str | None]:
     with contextlib.suppress(OSError):
         os.unlink(probe)
     return "rw", None
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def sweep_stale(directory: str, pattern: "re.Pattern[str]", *, now: float | None = None) -> list[str]:
+    """Remove the stale temporaries in ``directory`` whose names match ``pattern``.
+
+    An entry is stale when it is older than :data:`STALE_TEMP_SECONDS`, or when the
+    pattern's ``pid`` group names a process that no longer exists on this host and it is
+    older than :data:`DEAD_WRITER_GRACE_SECONDS` (so a live writer's temp, or one another
+    host is writing right now, is never touched). Files are unlinked, directories removed
+    with their contents. Returns the names removed; filesystem errors are ignored (a
+    leftover that cannot be removed is retried by the next sweep).
+    """
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name)
+        if not m:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        age = now - st.st_mtime
+        pid = m.groupdict().get("pid")
+        dead = pid is not None and not _pid_alive(int(pid))
+        if not (age > STALE_TEMP_SECONDS or (dead and age > DEAD_WRITER_GRACE_SECONDS)):
+            continue
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
 
 
 def _sha256_file(path: str) -> tuple[int, str]:
@@ -285,6 +351,10 @@ class DiskStore:
             with contextlib.suppress(OSError):
                 total += os.stat(os.path.join(self.root, n)).st_size
         return entries, total
+
+    def sweep_temps(self, *, now: float | None = None) -> list[str]:
+        """Remove stale ``.K.<suffix>.<pid>.<rand>.tmp`` files of killed writers (see :func:`sweep_stale`)."""
+        return sweep_stale(self.root, _TMP_FILE_RE, now=now)
 
     def clear(self) -> int:
         """Delete every entry, lock and leftover temp file; return the number of entries removed.

@@ -141,7 +141,8 @@ def _compile_measured(fn, args, arch: str, dynamic_smem: dict, cubin_dir: str | 
     import cutlass.cute as cute
 
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kq_cubin_") as tmp:
+    # The pid in the name lets a later compile sweep what a killed one left behind.
+    with tempfile.TemporaryDirectory(prefix=f"kq_cubin_{os.getpid()}_") as tmp:
         out = cubin_dir or tmp
         compiled = cute.compile(fn, *args, options=f"--gpu-arch {arch} --keep-cubin --dump-dir {out}")
         seconds = time.perf_counter() - t0

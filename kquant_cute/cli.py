@@ -16,8 +16,9 @@ Exit status: 0 when every specialization the plans need (decode, chosen prefill)
 usable; 1 when one of them failed or was rejected, or when something compiled in this run
 could not be written to the cache directory; 2 for usage errors (bad flag, invalid
 geometry, invalid ``KQUANT_W4A16_PREFILL_BLOCK_M`` / ``KQUANT_W4A16_PREFILL_MIN_M`` /
-``KQUANT_COMPILE_CACHE_DIR``). Rejected fallback candidates are fine.
-``KQUANT_COMPILE_FREEZE`` is ignored (this tool exists to compile); use ``--frozen``.
+``KQUANT_COMPILE_CACHE_DIR`` / ``KQUANT_COMPILE_FREEZE``: every KQUANT_* variable is
+checked at startup by :mod:`kquant_cute.environment`). Rejected fallback candidates are fine.
+A valid ``KQUANT_COMPILE_FREEZE`` is ignored (this tool exists to compile); use ``--frozen``.
 Needs no GPU: every arch is cross-compiled.
 """
 
@@ -25,13 +26,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import time
 import warnings
 from collections.abc import Sequence
 from typing import Any, Optional, TextIO
 
+from . import trellis as fmt
 from .compile_cache import CompileCache, CompileCacheWarning
+from .compile_cache.cache import ENV_DIR
+from .environment import ConfigurationError, check_environment
 from .kernels.moe import MoESpec
 from .planners import arch_limits, normalize_arch, resolve_env
 from .prewarm import (
@@ -137,7 +143,8 @@ class _Progress:
         return "[" + "#" * filled + "-" * (self.WIDTH - filled) + "]"
 
     def __call__(self, ev: PrewarmEvent) -> None:
-        count = f"{ev.index}/<={ev.bound}"
+        # The bound is an upper bound: the fallback walk stops at the first accepted M.
+        count = f"specialization {ev.index} of at most {ev.bound}:"
         if ev.kind == "start":
             if self.tty:
                 self._write(f"{self._bar(ev.index - 1, ev.bound)} {count} {ev.arch} M={ev.block_m} "
@@ -198,13 +205,33 @@ def format_table(records: Sequence[PrewarmRecord]) -> str:
     return "\n".join(lines)
 
 
-def _totals(records: Sequence[PrewarmRecord], wall: float, cache: CompileCache) -> str:
+_IMPORTED_AT = time.time()
+
+
+def process_wall_seconds() -> float:
+    """Wall seconds since this process started (Linux: /proc; elsewhere: since this module
+    was imported, which misses only the interpreter's own start-up)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time() - _IMPORTED_AT
+
+
+def _totals(records: Sequence[PrewarmRecord], wall: float, cache: CompileCache,
+            process: Optional[float] = None) -> str:
     counts = {s: sum(r.status == s for r in records) for s in ("compiled", "cached", "rejected", "failed")}
     builds = sum(r.cache == "compiled" for r in records)
     where = cache.directory or "memory only"
+    process = process_wall_seconds() if process is None else process
     return (f"totals: {counts['compiled']} compiled, {counts['cached']} cached, "
             f"{counts['rejected']} rejected, {counts['failed']} failed "
-            f"(builds this run: {builds}) in {wall:.2f} s wall; cache {where} ({cache.disk_mode})")
+            f"(builds this run: {builds}); {wall:.2f} s planning and compiling, "
+            f"{process:.2f} s wall since the process started (imports included); "
+            f"cache {where} ({cache.disk_mode})")
 
 
 def format_entries(entries: Sequence[dict[str, Any]], directory: Optional[str]) -> str:
@@ -257,11 +284,56 @@ def _archs(sms: Optional[Sequence[str]]) -> list[str]:
     return out
 
 
-def _open_cache(args: argparse.Namespace) -> CompileCache:
+def _open_cache(args: argparse.Namespace, *, create: bool = True) -> CompileCache:
     try:
         # frozen is explicit: KQUANT_COMPILE_FREEZE is for serving processes, not this tool.
-        return CompileCache(args.cache_dir, frozen=args.frozen)
+        return CompileCache(args.cache_dir, frozen=args.frozen, create=create)
     except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+
+
+#: MoESpec field -> the flag that sets it (reasons from MoESpec.check name fields).
+_FLAG_OF = {"num_experts": "--experts", "hidden": "--hidden", "intermediate": "--intermediate",
+            "topk": "--topk", "bits": "--bits", "codebook": "--codebook",
+            "act_dtype": "--act-dtype", "out_dtype": "--out-dtype", "activation": "--activation",
+            "stages": "--stages"}
+_FIELD_RE = re.compile(r"(?<![\w-])(" + "|".join(_FLAG_OF) + r")(?!\w)")
+
+
+def _flagged(reason: str) -> str:
+    """A MoESpec.check reason with its field names replaced by the flags that set them."""
+    return _FIELD_RE.sub(lambda m: _FLAG_OF[m.group(1)], reason)
+
+
+def _check_flags(args: argparse.Namespace, base: MoESpec, archs: Sequence[str]) -> None:
+    """The library's checks (MoESpec.check, MoELayer's capacity and top-k rules), with
+    messages that name the flags; raises _UsageError."""
+    for flag, value in (("--hidden", args.hidden), ("--intermediate", args.intermediate)):
+        if value % fmt.HADAMARD_BLOCK:
+            raise _UsageError(f"invalid geometry: {flag} {value} is not a positive multiple of "
+                              f"{fmt.HADAMARD_BLOCK} (the Hadamard block)")
+    if not args.expert_map and args.topk > args.experts:
+        raise _UsageError(f"invalid geometry: --topk {args.topk} is above --experts {args.experts} "
+                          "(a token routes to top-k distinct experts; with --expert-map the ids "
+                          "are global and may outnumber the local experts)")
+    for arch in archs:
+        reason = base.replace(arch=arch).check(smem_limit=arch_limits(arch).smem_per_block_optin)
+        if reason is not None:
+            raise _UsageError(f"invalid geometry for {arch}: {_flagged(reason)}")
+    if args.capacity > base.max_tokens():
+        raise _UsageError(
+            f"--capacity {args.capacity:,} is above {base.max_tokens():,} tokens, the most whose "
+            f"scratch indices stay in 32-bit range at --topk {args.topk} and "
+            f"max(--hidden, --intermediate) {max(args.hidden, args.intermediate):,}")
+
+
+def _check_env(args: argparse.Namespace) -> None:
+    env = dict(os.environ)
+    if args.cache_dir is not None:
+        env.pop(ENV_DIR, None)  # --cache-dir overrides it
+    try:
+        check_environment(env)
+    except ConfigurationError as exc:
         raise _UsageError(str(exc)) from None
 
 
@@ -270,14 +342,22 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError("--list only lists; do not combine it with --sm, --clear, --describe or --frozen")
     if args.clear and args.frozen:
         raise _UsageError("--clear and --frozen contradict each other")
-    cache = _open_cache(args)
+    _check_env(args)
+    # Listing, checking (--frozen) and clearing never create a missing directory.
+    cache = _open_cache(args, create=not (args.list or args.frozen or (args.clear and not args.sm)))
     if args.list:
         entries = cache.entries()
-        print(json.dumps(entries, indent=1, sort_keys=True) if args.json
-              else format_entries(entries, cache.directory), file=out)
+        text = format_entries(entries, cache.directory)
+        if cache.directory is not None and not os.path.lexists(cache.directory):
+            text += " (the directory does not exist)"
+        print(json.dumps(entries, indent=1, sort_keys=True) if args.json else text, file=out)
         return EXIT_OK
     if args.clear:
-        removed = cache.clear()
+        try:
+            removed = cache.clear()
+        except OSError as exc:
+            print(f"{PROG}: error: {exc.strerror or exc}", file=err)
+            return EXIT_FAILED
         msg = f"removed {removed} entries from {cache.directory or 'memory'}"
         if not args.sm:
             print(json.dumps({"removed": removed, "directory": cache.directory}) if args.json else msg, file=out)
@@ -290,10 +370,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except ValueError as exc:
         raise _UsageError(f"invalid plan environment: {exc}") from None
     base = _geometry(args)
-    for arch in archs:
-        reason = base.replace(arch=arch).check(smem_limit=arch_limits(arch).smem_per_block_optin)
-        if reason is not None:
-            raise _UsageError(f"invalid geometry for {arch}: {reason}")
+    _check_flags(args, base, archs)
 
     progress = None if args.quiet else _Progress(err)
     t0 = time.perf_counter()

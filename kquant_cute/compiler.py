@@ -3,7 +3,9 @@
 Owns the composition of kernels (what a specialization is and how it compiles), the
 compile cache (never re-pay a compile) and the planners (which route block M to use):
 - `get_specialization(spec)`: the cached compile of one `MoESpec` (compiles on a miss,
-  also on a machine with no GPU); returns an entry whose `.function()` loads it lazily.
+  also on a machine with no GPU); the cache's load step links the object into this
+  process (host side, no GPU needed, ~2 ms), so an entry whose checksum matches but whose
+  object does not load is deleted and rebuilt by the cache instead of being served.
 - `geometry_check(spec, arch)`: the validity predicate the planner's fallback uses:
   static reasons from the kernel, then measured registers / spills / shared memory of
   every kernel in the compiled object against the per-SM table.
@@ -16,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import re
 import tempfile
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .compile_cache import CompileCache, CompileCacheMiss, default_cache
+from .compile_cache.store import sweep_stale
 from .kernels import build as kbuild
 from .kernels.moe import MoESpec
 from .kernels.trellis_wgmma import warpgroups as wgmma_warpgroups
@@ -71,7 +75,8 @@ def source_files() -> list[str]:
 
 @dataclass
 class CompiledEntry:
-    """A cached specialization: metadata now, the loaded function on first use."""
+    """A cached specialization: its metadata and its object, already linked into this
+    process (the cubin reaches the GPU at the first launch)."""
 
     spec: MoESpec
     meta: dict
@@ -85,8 +90,9 @@ class CompiledEntry:
 
     def function(self):
         with self._lock:
-            if self._fn is None:
-                with tempfile.NamedTemporaryFile(suffix=".o", delete=False) as f:
+            if self._fn is None:  # an entry built by hand, not through the cache
+                with tempfile.NamedTemporaryFile(prefix=f"kq_obj_{os.getpid()}_", suffix=".o",
+                                                 delete=False) as f:
                     f.write(self.payload)
                     path = f.name
                 try:
@@ -94,6 +100,16 @@ class CompiledEntry:
                 finally:
                     os.unlink(path)
             return self._fn
+
+
+#: Temporaries of compiles and loads in the system temp directory; a killed process leaves
+#: them behind, the next compile sweeps the stale ones (compile_cache.store.sweep_stale).
+_TMP_RE = re.compile(r"^kq_(?:cubin|obj)_(?:(?P<pid>[0-9]+)_)?[A-Za-z0-9_]+(?:\.o)?$")
+
+
+def _build(spec: MoESpec):
+    sweep_stale(tempfile.gettempdir(), _TMP_RE)
+    return kbuild.compile_forward(spec)
 
 
 def get_specialization(spec: MoESpec, cache: Optional[CompileCache] = None):
@@ -104,11 +120,14 @@ def get_specialization(spec: MoESpec, cache: Optional[CompileCache] = None):
     arch = spec_dict.pop("arch")
 
     def load(path, meta):
+        # Linking the object is the loadability check: a payload that fails it raises
+        # here, inside the cache, which deletes the entry and rebuilds it.
         with open(path, "rb") as f:
-            return CompiledEntry(spec=spec, meta=meta, payload=f.read())
+            payload = f.read()
+        return CompiledEntry(spec=spec, meta=meta, payload=payload, _fn=kbuild.load_forward(path))
 
     return cache.get_or_build_result(KERNEL_NAME, spec_dict, arch=arch,
-                                     build=lambda: kbuild.compile_forward(spec), load=load,
+                                     build=lambda: _build(spec), load=load,
                                      sources=source_files())
 
 
@@ -119,6 +138,7 @@ def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> Geome
     if reason is not None:
         return GeometryVerdict(block_m=spec.block_m, ok=False, reason=reason)
     spec = spec.resolved()
+    cache = cache or default_cache()  # an invalid cache environment raises, not "rejected"
     try:
         res = get_specialization(spec, cache)
     except CompileCacheMiss:

@@ -241,3 +241,141 @@ def test_progress_tty_uses_carriage_returns() -> None:
     text = buf.getvalue()
     assert text.startswith("\r[") and text.count("\r") == 2 and text.endswith("\n")
     assert "M=64: compiled (1.50 s)" in text
+
+
+# ------------------------------------------------------------- reliability (issue 16)
+def _entry_of(cache_dir: Path, arch: str, block_m: int) -> str:
+    for meta_path in cache_dir.glob("*.json"):
+        meta = json.loads(meta_path.read_text())
+        if meta["arch"] == arch and meta["spec"]["block_m"] == block_m:
+            return meta["key"]
+    raise AssertionError(f"no entry for {arch} M={block_m}")
+
+
+def _plant_unloadable(cache_dir: Path, key: str) -> None:
+    """Replace an entry's object by bytes that are not an object file, with metadata whose
+    size and sha256 match them: a checksum cannot catch it, only loading can."""
+    import hashlib
+
+    junk = b"not an ELF object " * 64
+    (cache_dir / f"{key}.bin").write_bytes(junk)
+    meta_path = cache_dir / f"{key}.json"
+    meta = json.loads(meta_path.read_text())
+    meta["payload"].update(size=len(junk), sha256=hashlib.sha256(junk).hexdigest())
+    meta_path.write_text(json.dumps(meta))
+
+
+def test_unloadable_entry_is_rebuilt_not_reported_cached(warm: dict[str, Any], tmp_path: Path) -> None:
+    from kquant_cute.compiler import get_specialization
+
+    scratch = copy_cache(warm["dir"], tmp_path / "c")
+    key = _entry_of(scratch, "sm_120a", 8)
+    _plant_unloadable(scratch, key)
+    assert CompileCache(scratch).lookup_key(key) == "disk"  # the checksum alone vouches for it
+    rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(scratch), "--json"])
+    assert rc == 0, err
+    status = {r["block_m"]: (r["status"], r["cache"]) for r in json.loads(out)}
+    assert status == {8: ("compiled", "compiled"), 64: ("cached", "disk")}
+    assert f"entry {key[:16]}" in err and "is unusable" in err and "not recognized" in err
+    # The library heals the same way instead of raising at the first call.
+    _plant_unloadable(scratch, key)
+    spec = SMALL_SPEC.replace(block_m=8, arch="sm_120a")
+    with pytest.warns(UserWarning, match="is unusable"):
+        res = get_specialization(spec, CompileCache(scratch))
+    assert res.status == "compiled" and res.value.function() is not None
+    assert get_specialization(spec, CompileCache(scratch)).status == "disk"
+
+
+def test_stale_cubin_dirs_of_killed_compiles_are_swept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    from kquant_cute import compiler
+    from kquant_cute.compile_cache import store
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # gettempdir() -> tmp_path
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    old = __import__("time").time() - 2 * store.DEAD_WRITER_GRACE_SECONDS
+    for name in (f"kq_cubin_{proc.pid}_abc123", f"kq_cubin_{os.getpid()}_live99", "kq_cubin_x1y2z3"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "kernel.cubin").write_bytes(b"x")
+        os.utime(tmp_path / name, (old, old))
+    too_old = old - store.STALE_TEMP_SECONDS
+    os.utime(tmp_path / "kq_cubin_x1y2z3", (too_old, too_old))  # pid-less, from before
+    monkeypatch.setattr(compiler.kbuild, "compile_forward", lambda spec: (b"obj", {}))
+    assert compiler._build(SMALL_SPEC.replace(block_m=8)) == (b"obj", {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"kq_cubin_{os.getpid()}_live99"]
+
+
+def test_frozen_miss_raises_like_the_docs_say(warm: dict[str, Any], tmp_path: Path) -> None:
+    """A frozen miss on the prefill M raises CompileCacheMiss: no walk to a narrower M
+    (the docs used to promise the walk)."""
+    from kquant_cute.compile_cache import CompileCacheMiss
+    from kquant_cute.compiler import plan_forward
+
+    scratch = copy_cache(warm["dir"], tmp_path / "c")
+    key = _entry_of(scratch, "sm_120a", 64)
+    (scratch / f"{key}.json").unlink()
+    with pytest.raises(CompileCacheMiss, match=r'"block_m":64'):
+        plan_forward(SMALL_SPEC, capacity=512, arch="sm_120", env=PlanEnv(),
+                     cache=CompileCache(scratch, frozen=True))
+    docs = (REPO / "docs" / "compile_cache.md").read_text()
+    assert "walks to the next narrower M" not in docs
+    assert "a frozen miss raises `CompileCacheMiss`" in docs
+
+
+def test_cli_clear_on_readonly_cache_fails(warm: dict[str, Any], tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from kquant_cute.compile_cache import cache as cc_cache
+
+    scratch = copy_cache(warm["dir"], tmp_path / "c")
+    before = sorted(p.name for p in scratch.iterdir())
+    monkeypatch.setattr(cc_cache, "probe_directory",
+                        lambda path, **kw: ("ro", f"{path} is not writable (simulated)"))
+    rc, out, err = run_main(["--clear", "--cache-dir", str(scratch)])
+    assert rc == 1 and "removed" not in out
+    assert f"cannot clear the compile cache: {scratch} is not writable" in err
+    assert sorted(p.name for p in scratch.iterdir()) == before
+
+
+def test_list_and_frozen_on_missing_dir_do_not_create_it(tmp_path: Path) -> None:
+    missing = tmp_path / "absent"
+    rc, out, _ = run_main(["--list", "--cache-dir", str(missing)])
+    assert rc == 0 and "0 entries (the directory does not exist)" in out
+    rc, _, err = run_main(["--sm", "120", *SMALL, "--frozen", "--cache-dir", str(missing)])
+    assert rc == 1 and "CompileCacheMiss" in err
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize(("argv", "want"), [
+    (["--capacity", "5000000"], "--capacity 5,000,000 is above 4,186,126 tokens"),
+    (["--topk", "9"], "--topk 9 is above --experts 8"),
+    (["--hidden", "200"], "--hidden 200 is not a positive multiple of 128"),
+    (["--intermediate", "100"], "--intermediate 100 is not a positive multiple of 128"),
+    (["--bits", "7"], "--bits 7 outside 2..6 for --codebook 'mcg'"),
+    (["--act-dtype", "int8"], "--act-dtype 'int8' not in"),
+    (["--topk", "65", "--experts", "80"], "--topk 65 > 64"),
+])
+def test_cli_validates_like_the_library_naming_flags(tmp_path: Path, argv: list[str], want: str) -> None:
+    rc, out, err = run_main(["--sm", "120", *SMALL, *argv, "--cache-dir", str(tmp_path)])
+    assert rc == 2 and out == "", err
+    assert want in err
+    assert "k_dim" not in err and "n_dim" not in err and "num_experts" not in err
+    assert list(tmp_path.glob("*.json")) == []
+
+
+def test_progress_and_totals_explain_themselves(warm: dict[str, Any]) -> None:
+    import time
+
+    assert "specialization 1 of at most 10: sm_90a M=64: compiled" in warm["err"]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "kquant_cute.cli", "--sm", "120", *SMALL,
+         "--cache-dir", str(warm["dir"])],
+        capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    outer = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("totals:"))
+    wall = float(line.split(" s wall since the process started")[0].rsplit(" ", 1)[1])
+    # The process's real wall time (imports included: > 1 s here), not just the cache calls.
+    assert 0.5 * outer <= wall <= outer + 0.05, (wall, outer, line)

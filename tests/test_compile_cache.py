@@ -426,7 +426,8 @@ def test_readonly_dir_reads_entries_and_keeps_new_ones_in_memory(
     cache, _, key = _entry(tmp_path)
     # Root ignores chmod, so simulate a read-only directory at the probe; writes are then
     # never attempted (the store is only read), which the assertions on the listing check.
-    monkeypatch.setattr(cc_cache, "probe_directory", lambda path: ("ro", f"{path} is not writable (simulated)"))
+    monkeypatch.setattr(cc_cache, "probe_directory",
+                        lambda path, **kw: ("ro", f"{path} is not writable (simulated)"))
     before = sorted(os.listdir(tmp_path))
 
     def scenario():
@@ -442,7 +443,11 @@ def test_readonly_dir_reads_entries_and_keeps_new_ones_in_memory(
     assert (hit.status, new1.status, new2.status) == ("disk", "compiled", "compiled") and c.builds == 2
     assert ro.disk_mode == "ro" and ro.degraded
     assert sorted(os.listdir(tmp_path)) == before
-    assert ro.clear() == 0 and len(os.listdir(tmp_path)) == len(before)
+    # A clear that cannot remove the entries fails, naming the directory (it used to
+    # answer 0 and leave them in place).
+    with pytest.raises(PermissionError, match=f"cannot clear the compile cache: {tmp_path} is not writable"):
+        ro.clear()
+    assert sorted(os.listdir(tmp_path)) == before
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions; covered by the simulated test")
@@ -632,3 +637,61 @@ def test_runtime_versions_recorded_but_not_keyed(tmp_path) -> None:
     built = res.meta["built_with"]
     assert set(built) == {"cuda_bindings", "torch", "python"}
     assert built["python"].endswith(f"{sys.version_info.major}.{sys.version_info.minor}")
+
+
+# ------------------------------------------------------------- reliability (issue 16)
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temp_files_of_killed_writers_are_swept(tmp_path: Path) -> None:
+    key = "ab" * 32
+    dead, live = _dead_pid(), os.getpid()
+    old = time.time() - 2 * cc_store.DEAD_WRITER_GRACE_SECONDS
+    ancient = time.time() - 2 * cc_store.STALE_TEMP_SECONDS
+    files = {
+        f".{key}.bin.{dead}.0badc0de.tmp": old,      # writer gone, past the grace: stale
+        f".{key}.json.{dead}.0badc0df.tmp": old,
+        f".{key}.bin.{dead}.00000001.tmp": None,     # writer gone, within the grace: kept
+        f".{key}.bin.{live}.00000002.tmp": old,      # writer alive: kept
+        f".{key}.bin.{live}.00000003.tmp": ancient,  # older than any write: stale
+        "unrelated.tmp": ancient,                    # not ours: kept
+    }
+    for name, mtime in files.items():
+        (tmp_path / name).write_bytes(b"partial")
+        if mtime is not None:
+            os.utime(tmp_path / name, (mtime, mtime))
+    CompileCache(tmp_path, frozen=False)
+    assert sorted(os.listdir(tmp_path)) == sorted([
+        f".{key}.bin.{dead}.00000001.tmp", f".{key}.bin.{live}.00000002.tmp", "unrelated.tmp"])
+
+
+def test_clear_on_readonly_dir_fails_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    _entry(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    monkeypatch.setattr(cc_cache, "probe_directory",
+                        lambda path, **kw: ("ro", f"{path} is not writable (simulated)"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompileCacheWarning)
+        assert cli_main(["--dir", str(tmp_path), "--clear"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot clear the compile cache: {tmp_path} is not writable" in err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_listing_a_missing_dir_does_not_create_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no" / "such"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no degrade warning either
+        cache = CompileCache(missing, create=False)
+        assert cache.entries() == [] and cache.disk_mode == "off" and not cache.degraded
+        assert cache.clear() == 0
+        assert cli_main(["--dir", str(missing), "--list"]) == 0
+        assert cli_main(["--dir", str(missing), "--info"]) == 0
+    assert "0 entries" in capsys.readouterr().out
+    assert not missing.exists() and not missing.parent.exists()
+    # Building still works (memory only) and still does not create the directory.
+    assert _get(cache, Counter()).status == "compiled" and not missing.exists()
