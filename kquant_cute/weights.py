@@ -81,6 +81,25 @@ def _same_device(name: str, tensors: Mapping[str, Optional[torch.Tensor]]) -> to
     return next(iter(unique))
 
 
+def _agree(experts: Sequence[Mapping[str, "TrellisLinear"]], what: str, value, show,
+           rule: str, projections: Sequence[str] = PROJECTIONS):
+    """The common value of ``value(layer)`` over every expert's ``projections``; ValueError
+    naming the expert(s) and projection(s) that differ from the most common value."""
+    seen: dict[Any, list[str]] = {}
+    for idx, ex in enumerate(experts):
+        for p in projections:
+            seen.setdefault(value(ex[p]), []).append(f"expert {idx} {p}")
+    if len(seen) == 1:
+        return next(iter(seen))
+    # The majority value is the expected one (ties: the one seen first).
+    common = max(seen, key=lambda v: len(seen[v]))
+    odd = [(where, v) for v, places in seen.items() if v != common for where in places]
+    listing = ", ".join(f"{where} has {show(v)}" for where, v in odd[:8])
+    more = f" and {len(odd) - 8} more" if len(odd) > 8 else ""
+    raise ValueError(f"{what} differs across experts: {listing}{more}, the other "
+                     f"{len(seen[common])} have {show(common)}; {rule}")
+
+
 # --------------------------------------------------------------------------------------
 # One linear layer
 # --------------------------------------------------------------------------------------
@@ -443,7 +462,6 @@ class MoEWeights:
         """
         if len(experts) == 0:
             raise ValueError("from_experts needs at least one expert")
-        codebook = None
         for idx, ex in enumerate(experts):
             missing = [p for p in PROJECTIONS if p not in ex]
             if missing:
@@ -456,19 +474,21 @@ class MoEWeights:
                     )
                 if layer.bias is not None:
                     raise ValueError(f"expert {idx} {p} has a bias; MoE experts take none")
-                if codebook is None:
-                    codebook = layer.codebook
-                elif layer.codebook != codebook:
-                    raise ValueError(
-                        f"expert {idx} {p} uses codebook {layer.codebook!r}, expected "
-                        f"{codebook!r}: all experts must share one codebook"
-                    )
-        assert codebook is not None
+        # One codebook, one K and one shape per projection across the layer: the odd ones
+        # out (against the most common value) are named, with expert and projection.
+        codebook = _agree(experts, "codebook", lambda layer: layer.codebook, repr,
+                          "all experts must share one codebook")
+        _agree(experts, "K", lambda layer: layer.bits, lambda k: f"{k} bits per weight",
+               "all projections must share K")
+        for p in PROJECTIONS:
+            _agree(experts, f"{p} shape", lambda layer: (layer.in_features, layer.out_features),
+                   lambda f: f"[in {f[0]}, out {f[1]}]",
+                   f"every expert's {p} projection must have the same shape", projections=(p,))
 
         def stack(proj: str, attr: str) -> torch.Tensor:
             parts = [getattr(ex[proj], attr) for ex in experts]
             shapes = {tuple(t.shape) for t in parts}
-            if len(shapes) > 1:
+            if len(shapes) > 1:  # pragma: no cover - the shape check above names the expert
                 raise ValueError(f"{proj}.{attr} shapes differ across experts: {sorted(shapes)}")
             return torch.stack(parts)
 

@@ -196,7 +196,7 @@ def test_from_experts_errors():
         MoEWeights.from_experts([experts[0], biased])
     wider = dict(experts[1])
     wider["gate"] = TrellisLinear(**_tensors(128, 256, 3), codebook="mcg")
-    with pytest.raises(ValueError, match="differ across experts"):
+    with pytest.raises(ValueError, match="gate shape differs across experts: expert 1 gate has"):
         MoEWeights.from_experts([experts[0], wider])
 
 
@@ -261,3 +261,23 @@ def test_moe_to_cuda():
     assert torch.equal(g.gate_trellis.cpu(), m.gate_trellis)
     cuda = MoEWeights.random(2, 128, 128, 4, seed=0, device="cuda")
     assert torch.equal(cuda.down_trellis.cpu(), m.down_trellis)
+
+
+def test_from_experts_blames_the_odd_projection_and_names_k():
+    """A codebook mismatch on expert 0's gate names expert 0's gate (it used to blame its up
+    projection), and mixing K names expert, projection and both K (it used to say only
+    "shapes differ")."""
+    m = MoEWeights.random(3, 128, 128, 3, seed=6)
+    experts = [dict(m.expert(e)) for e in range(3)]
+    odd = [dict(ex) for ex in experts]
+    g = odd[0]["gate"]
+    odd[0]["gate"] = TrellisLinear(g.trellis, g.suh, g.svh, "mul1")
+    with pytest.raises(ValueError, match=r"codebook differs across experts: expert 0 gate has "
+                                         r"'mul1', the other 8 have 'mcg'"):
+        MoEWeights.from_experts(odd)
+    k4 = MoEWeights.random(3, 128, 128, 4, seed=7)
+    mixed = [dict(ex) for ex in experts]
+    mixed[2]["down"] = k4.expert(2)["down"]
+    with pytest.raises(ValueError, match=r"K differs across experts: expert 2 down has 4 bits "
+                                         r"per weight, the other 8 have 3 bits per weight"):
+        MoEWeights.from_experts(mixed)
