@@ -23,11 +23,15 @@ def flat_tensor(ptr):
 
 
 def local_expert(mIds, mMap, r, has_map: bool):
-    """Local expert id of route r: topk_ids[r], through the expert map when there is one
-    (-1 = the expert lives on another rank)."""
+    """Local expert id of route r: topk_ids[r], through the expert map when there is one;
+    -1 = no expert here (the expert lives on another rank, or the id itself is -1, which
+    means "no route" with or without a map: the map is then read at 0, never at -1)."""
+    import cutlass
+
     e = mIds[r]
     if has_map:
-        e = mMap[e]
+        mapped = mMap[Int32(cutlass.select_(e >= 0, e, 0))]
+        e = Int32(cutlass.select_(e >= 0, mapped, -1))
     return e
 
 
@@ -173,6 +177,21 @@ def cp_async_16(smem_addr, gmem_addr, src_bytes=None, *, loc=None, ip=None):
     else:
         operands.append(Int32(src_bytes).ir_value(loc=loc, ip=ip))
         asm, constraints = "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r"
+    llvm.inline_asm(None, operands, asm, constraints, has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_16_if(pred, smem_addr, gmem_addr, src_bytes=None, *, loc=None, ip=None):
+    """`cp_async_16` only where `pred` (an Int32, run-time) is nonzero: no write at all
+    otherwise (zero-filling with src_bytes = 0 would still write the 16 bytes)."""
+    operands = [Int32(pred).ir_value(loc=loc, ip=ip), Int32(smem_addr).ir_value(loc=loc, ip=ip),
+                Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+    size, constraints = "", "r,r,l"
+    if src_bytes is not None:
+        operands.append(Int32(src_bytes).ir_value(loc=loc, ip=ip))
+        size, constraints = ", $3", "r,r,l,r"
+    asm = ("{ .reg .pred p; setp.ne.b32 p, $0, 0; "
+           f"@p cp.async.cg.shared.global [$1], [$2], 16{size}; }}")
     llvm.inline_asm(None, operands, asm, constraints, has_side_effects=True, loc=loc, ip=ip)
 
 

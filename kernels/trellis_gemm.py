@@ -307,14 +307,19 @@ class TrellisGemm:
 
     def issue_a(self, ks, buf, a_gaddr, a_saddr, rAsrc, rAbytes, tidx):
         """cp.async the A rows of pipeline stage `ks` into buffer `buf` (padding rows: zeros)."""
-        # Threads past the last chunk repeat an earlier chunk (same bytes, same place), so no
-        # thread needs a branch.
         for i in range(self.a_iters):
             q = (tidx + THREADS * i) % self.a_chunks
             row = q // 8
             col = q % 8
             src = a_gaddr + (rAsrc[i] * self.k_dim + ks * (16 * K_STEPS_PER_STAGE) + col * 8) * 2
             dst = a_saddr + ((buf * self.m_pad + row) * A_ROW_HALVES + col * 8) * 2
+            if THREADS * (i + 1) > self.a_chunks:
+                # Threads past the last chunk (M = 8: 64 chunks, 128 threads) would repeat an
+                # earlier chunk: same bytes, same place, but two unordered writes of one
+                # address (racecheck: a write-write hazard), so they copy nothing.
+                ptx.cp_async_16_if(Int32(cutlass.select_(tidx + THREADS * i < self.a_chunks, 1, 0)),
+                                   dst, src, rAbytes[i])
+                continue
             ptx.cp_async_16(dst, src, rAbytes[i])
 
     def issue_b(self, ks, buf, b_gbase, b_saddr, tidx, threads: int = THREADS):
@@ -328,6 +333,10 @@ class TrellisGemm:
             kt = ks * K_STEPS_PER_STAGE + kl
             src = b_gbase + Int64(kt * self.n_tiles16 * self.tile_words * 4 + within * 16)
             dst = b_saddr + (buf * self.b_stage_words + kl * (TILE_N // 16) * self.tile_words) * 4 + within * 16
+            if threads * (i + 1) > self.b_chunks:  # the wrapping slots (as in issue_a)
+                ptx.cp_async_16_if(Int32(cutlass.select_(tidx + threads * i < self.b_chunks, 1, 0)),
+                                   dst, src)
+                continue
             ptx.cp_async_16(dst, src)
 
     def b_tile_base(self, expert, nt):

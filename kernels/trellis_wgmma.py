@@ -254,7 +254,12 @@ class TrellisWgmma:
             a_row = r
             if self.g.a_rows_per_token:
                 a_row = r // self.g.topk
-            rAsrc[i] = Int32(cutlass.select_(row < n_real, a_row, -1))
+            copy = row < n_real
+            if cutlass.const_expr(self.threads * (i + 1) > self.a_chunks):
+                # 8 rows = 64 chunks for 128 threads: the wrapping threads would repeat
+                # a chunk (two unordered writes of one address), so they copy nothing.
+                copy = copy & (tidx + self.threads * i < self.a_chunks)
+            rAsrc[i] = Int32(cutlass.select_(copy, a_row, -1))
         for i in cutlass.range_constexpr(self.route_regs):
             row = 32 * i + lane
             r = mSorted[base + cutlass.min(row, n_real - 1)]

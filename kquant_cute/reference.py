@@ -109,11 +109,12 @@ def _check_topk_ids(topk_ids: object) -> torch.Tensor:
 def _local_expert_ids(
     topk_ids: torch.Tensor, num_local: int, expert_map: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """int64 tensor shaped like ``topk_ids``: the local expert of every route, -1 if off-rank.
+    """int64 tensor shaped like ``topk_ids``: the local expert of every route, -1 if none.
 
     Without ``expert_map`` the ids are already local and must lie in ``[0, num_local)``.
     With it they are global ids in ``[0, len(expert_map))`` and map to
-    ``expert_map[id]`` in ``[-1, num_local)``.
+    ``expert_map[id]`` in ``[-1, num_local)``. An id of -1 means "no route" in both cases
+    (it maps to -1 and contributes nothing); any other negative id is an error.
     """
     ids = topk_ids.to(torch.int64)
     if expert_map is None:
@@ -132,11 +133,14 @@ def _local_expert_ids(
                 f"got min {int(emap.min())} max {int(emap.max())}"
             )
         bound, what = emap.numel(), "global experts (len(expert_map))"
-    if ids.numel() and bool(((ids < 0) | (ids >= bound)).any()):
+    if ids.numel() and bool(((ids < -1) | (ids >= bound)).any()):
         raise ValueError(
-            f"topk_ids must lie in [0, {bound}) ({what}), got min {int(ids.min())} max {int(ids.max())}"
+            f"topk_ids must lie in [0, {bound}) ({what}) or be -1 (no route), got min "
+            f"{int(ids.min())} max {int(ids.max())}"
         )
-    return ids if expert_map is None else emap[ids]
+    if expert_map is None:
+        return ids
+    return torch.where(ids >= 0, emap[ids.clamp(min=0)], torch.full_like(ids, -1))
 
 
 def _check_moe_inputs(
@@ -210,7 +214,8 @@ def reference_moe(
     Args:
         x: ``[m, hidden]`` floating activations (any float dtype; computed in ``dtype``).
         topk_ids: ``[m, topk]`` integer expert ids -- local ids in ``[0, E)``, or global ids in
-            ``[0, len(expert_map))`` when ``expert_map`` is given.
+            ``[0, len(expert_map))`` when ``expert_map`` is given; -1 = no route. Duplicate
+            ids in one row each add their weighted expert output.
         topk_weights: ``[m, topk]`` floating router weights.
         weights: the layer's :class:`~kquant_cute.weights.MoEWeights` (``E`` local experts).
         activation: one of :data:`ACTIVATIONS`.

@@ -189,7 +189,7 @@ def test_reference_bad_inputs(weights_mod):
         dict(ids=ids[:, :1]),                                # weights shape mismatch
         dict(ids=ids.reshape(-1)),                           # 1-D ids
         dict(ids=torch.full_like(ids, 4)),                   # local id out of range
-        dict(ids=torch.full_like(ids, -1)),                  # negative id
+        dict(ids=torch.full_like(ids, -2)),                  # negative id (-1 = no route)
         dict(w=w.to(torch.int64)),                           # integer router weights
         dict(w=w[:, :1]),                                    # weights shape
         dict(kw=dict(dtype=torch.float16)),                  # unsupported compute dtype
@@ -373,7 +373,7 @@ def test_route_pack_bad_inputs():
         dict(ids=torch.zeros(2, 0, dtype=torch.int64)),
         dict(ids=[[0, 1]]),
         dict(ids=ids + 4),                 # id >= num_experts
-        dict(ids=ids - 1),                 # negative id
+        dict(ids=ids - 2),                 # negative id below -1 (-1 = no route)
         dict(num_experts=0),
         dict(num_experts=4.0),
         dict(block_m=0),
@@ -391,3 +391,89 @@ def test_route_pack_bad_inputs():
 def test_module_exports():
     for name in ref.__all__:
         assert hasattr(ref, name)
+
+
+# ---------------------------------------------------------------------------------------
+# Defined input semantics (the kernels are tested against these in tests/test_gpu_inputs.py)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_zero_tokens_give_an_empty_output(weights_mod, shared):
+    wts = _make_weights(weights_mod, 3, shared, seed=30)
+    x = torch.zeros(0, HIDDEN, dtype=torch.float64)
+    ids = torch.zeros(0, 2, dtype=torch.int32)
+    w = torch.zeros(0, 2)
+    for fn in (reference_moe, naive_moe):
+        out = fn(x, ids, w, wts, dtype=torch.float64)
+        assert out.shape == (0, HIDDEN) and out.dtype == torch.float64
+    assert route_pack_reference(ids, 3, 8).num_routes_padded == 0
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_id_minus_one_is_no_route(weights_mod, with_map):
+    """-1 drops the route with and without a map: the result equals the same routing with
+    that route's weight set to 0, and the route pack drops it like an off-rank expert."""
+    wts = _make_weights(weights_mod, 4, False, seed=31)
+    emap = torch.tensor([3, -1, 0, 1, 2, 0]) if with_map else None
+    x, ids, w = _inputs(5, 3, 6 if with_map else 4, seed=32)
+    dropped = ids.clone()
+    dropped[0, 1] = dropped[2, 0] = dropped[4] = -1
+    zero_w = w.clone()
+    zero_w[0, 1] = zero_w[2, 0] = 0
+    zero_w[4] = 0
+    got = reference_moe(x, dropped, w, wts, dtype=torch.float64, expert_map=emap)
+    _assert_close(got, naive_moe(x, dropped, w, wts, dtype=torch.float64, expert_map=emap))
+    _assert_close(got, reference_moe(x, ids, zero_w, wts, dtype=torch.float64, expert_map=emap))
+    assert torch.equal(got[4], torch.zeros(HIDDEN, dtype=torch.float64))
+    pack = route_pack_reference(dropped, 4, 8, expert_map=emap)
+    live = (dropped >= 0) if emap is None else (dropped >= 0) & (emap[dropped.clamp(min=0).long()] >= 0)
+    assert int(pack.expert_counts.sum()) == int(live.sum())
+    assert 1 not in pack.sorted_route_ids.tolist() and 6 not in pack.sorted_route_ids.tolist()
+
+
+def test_duplicate_ids_in_a_row_each_count(weights_mod):
+    wts = _make_weights(weights_mod, 3, True, seed=33)
+    x, _, w = _inputs(4, 3, 3, seed=34)
+    ids = torch.tensor([[1, 1, 2], [0, 0, 0], [2, 1, 2], [1, 2, 0]], dtype=torch.int32)
+    got = reference_moe(x, ids, w, wts, dtype=torch.float64)
+    _assert_close(got, naive_moe(x, ids, w, wts, dtype=torch.float64))
+    # Token 1 routes three times to expert 0: once with the summed weight.
+    once = reference_moe(x[1:2], ids[1:2, :1], w[1:2].double().sum(1, keepdim=True), wts,
+                         dtype=torch.float64)
+    _assert_close(got[1:2], once)
+
+
+def test_several_global_ids_on_one_local_expert(weights_mod):
+    wts = _make_weights(weights_mod, 2, False, seed=35)
+    emap = torch.tensor([1, 1, -1, 0, 1, 0])
+    x, ids, w = _inputs(6, 3, 6, seed=36)
+    got = reference_moe(x, ids, w, wts, dtype=torch.float64, expert_map=emap)
+    _assert_close(got, naive_moe(x, ids, w, wts, dtype=torch.float64, expert_map=emap))
+    local = reference_moe(x, torch.where(emap[ids.long()] >= 0, emap[ids.long()], -1).to(torch.int32),
+                          w, wts, dtype=torch.float64)
+    _assert_close(got, local)
+
+
+def test_every_route_on_one_expert_fits_the_padded_bound():
+    for block_m in ROUTE_BLOCK_SIZES:
+        ids = torch.full((37, 4), 2, dtype=torch.int32)
+        pack = route_pack_reference(ids, 5, block_m)
+        assert int(pack.expert_counts[2]) == 148
+        assert pack.num_routes_padded == -(-148 // block_m) * block_m
+        assert pack.sorted_route_ids.numel() == padded_route_slots(148, 5, block_m)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_nan_and_inf_reach_only_their_tokens(weights_mod, shared):
+    wts = _make_weights(weights_mod, 4, shared, seed=37)
+    x, ids, w = _inputs(6, 2, 4, seed=38)
+    clean = reference_moe(x, ids, w, wts, dtype=torch.float64)
+    bad = x.clone()
+    bad[1, 5] = float("nan")
+    bad[4, 0] = float("inf")
+    bad[5, 200] = float("-inf")
+    got = reference_moe(bad, ids, w, wts, dtype=torch.float64)
+    hit = torch.tensor([False, True, False, False, True, True])
+    assert torch.equal(got[~hit], clean[~hit])  # bit for bit: rows do not mix
+    assert not torch.isfinite(got[hit]).any()
