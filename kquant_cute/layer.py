@@ -7,6 +7,21 @@ one output buffer. `bind(x, topk_ids, topk_weights)` validates every input (dtyp
 shape, contiguity, capacity, id range) and returns a `BoundForward` holding only views
 and raw pointers; `BoundForward.run()` launches on the current torch stream and never
 allocates, so it can be captured in a CUDA graph and replayed with new input contents.
+
+Input semantics (the same as `kquant_cute.reference.reference_moe`): m = 0 launches
+nothing and returns an empty [0, H] output; a topk id of -1 is "no route" (it contributes
+nothing, with or without an expert map; other negative ids are rejected); duplicate ids in
+one row each add their weighted expert output; an expert map may send several global ids
+to one local expert; a NaN or Inf in a row of x reaches only that token's output row.
+
+Stream rule: the scratch arena is one buffer, so at most one forward may use it at a
+time. A layer's arena remembers the stream of its last forward and an event recorded
+after it. `run()` on another stream while that forward may still be running raises
+(`run(wait_for_previous=True)` instead makes the new stream wait for it, on the GPU, no
+host sync). `MoELayer(stream_arenas=True)` gives each stream its own arena (allocated at
+the first `bind` on that stream, outside graph capture); a binding then runs only on the
+stream it was bound on. During CUDA-graph capture nothing is checked or recorded: order
+graph replays against eager forwards of the same arena yourself.
 """
 
 from __future__ import annotations
@@ -18,7 +33,9 @@ from typing import Optional
 import torch
 
 from . import trellis
+from .compile_cache import default_cache
 from .compiler import ForwardPlan, plan_forward
+from .environment import ConfigurationError, check_environment
 from .kernels.moe import ARG_NAMES, MoESpec
 from .planners import resolve_env
 from .planners.policy import padded_route_slots
@@ -82,6 +99,25 @@ def plan_scratch(base: MoESpec, capacity: int, block_ms) -> ScratchLayout:
     return scratch_layout(base, capacity, slots)
 
 
+def layer_spec(weights, *, topk: int, act_dtype: torch.dtype = torch.bfloat16,
+               out_dtype: torch.dtype = torch.float32, activation: str = "silu",
+               num_global_experts: Optional[int] = None, stages: Optional[int] = None,
+               occupancy: Optional[int] = None, mma: Optional[str] = None,
+               span: Optional[int] = None) -> MoESpec:
+    """The base `MoESpec` (block_m 8) a `MoELayer` with these arguments plans from; weights
+    may be any object with the `MoEWeights` shape properties (e.g. CPU weights, to prewarm
+    the cache for a GPU run with `compiler.plan_forward`)."""
+    base = MoESpec(num_experts=weights.num_experts, hidden=weights.hidden,
+                   intermediate=weights.intermediate, topk=topk, bits=weights.bits,
+                   codebook=weights.codebook, block_m=8, act_dtype=_dtype_name(act_dtype),
+                   out_dtype=_dtype_name(out_dtype), activation=activation,
+                   shared_hidden_vectors=weights.shared_hidden_vectors,
+                   has_expert_map=num_global_experts is not None,
+                   coupled=bool(getattr(weights, "coupled", False)))
+    knobs = {"stages": stages, "occupancy": occupancy, "mma": mma, "span": span}
+    return base.replace(**{k: v for k, v in knobs.items() if v is not None})
+
+
 class MoELayer:
     """One MoE layer's compiled plans, scratch and output buffer (see module docstring)."""
 
@@ -92,13 +128,26 @@ class MoELayer:
                  occupancy: Optional[int] = None, mma: Optional[str] = None,
                  span: Optional[int] = None,
                  environ=None, cache=None,
-                 banded: bool = False):
+                 banded: bool = False, stream_arenas: bool = False):
+        # Configuration first: a bad KQUANT_* variable is one clear error here, never a
+        # "compile failure" of some specialization later.
+        check_environment(os.environ, cache=cache is None, plan_environ=environ)
+        if cache is None:
+            try:
+                cache = default_cache()
+            except ValueError as exc:  # pragma: no cover - check_environment saw it first
+                raise ConfigurationError([str(exc)]) from None
         if not isinstance(weights, MoEWeights):
             raise TypeError("weights must be a kquant_cute.weights.MoEWeights")
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        id_bound = weights.num_experts if num_global_experts is None else num_global_experts
+        if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= id_bound:
+            what = ("num_global_experts" if num_global_experts is not None
+                    else f"the weights' {weights.num_experts} experts")
+            raise ValueError(f"topk must be an int in 1..{id_bound} ({what}), got {topk!r}")
         if weights.device.type != "cuda":
             raise ValueError("MoELayer needs weights on a CUDA device")
-        if not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         self.weights = weights
         self.device = weights.device
         self.capacity = capacity
@@ -110,29 +159,20 @@ class MoELayer:
         if arch is None:
             major, minor = torch.cuda.get_device_capability(self.device)
             arch = f"sm_{major}{minor}"
-        base = MoESpec(num_experts=weights.num_experts, hidden=weights.hidden,
-                       intermediate=weights.intermediate, topk=topk, bits=weights.bits,
-                       codebook=weights.codebook, block_m=8, act_dtype=_dtype_name(act_dtype),
-                       out_dtype=_dtype_name(out_dtype), activation=activation,
-                       shared_hidden_vectors=weights.shared_hidden_vectors,
-                       has_expert_map=num_global_experts is not None, coupled=weights.coupled)
-        if stages is not None:
-            base = base.replace(stages=stages)
-        if occupancy is not None:
-            base = base.replace(occupancy=occupancy)
-        if mma is not None:
-            base = base.replace(mma=mma)
-        if span is not None:
-            base = base.replace(span=span)
+        base = layer_spec(weights, topk=topk, act_dtype=act_dtype, out_dtype=out_dtype,
+                          activation=activation, num_global_experts=num_global_experts,
+                          stages=stages, occupancy=occupancy, mma=mma, span=span)
         if capacity > base.max_tokens():
             raise ValueError(f"capacity {capacity} > {base.max_tokens()} (32-bit scratch indexing)")
         self.plan: ForwardPlan = plan_forward(base, capacity=capacity, arch=arch, env=env,
                                               cache=cache, banded=banded)
         self.plan.load()
         self.scratch = plan_scratch(base, capacity, [s.block_m for s in self.plan.specs()])
-        self.arena = torch.zeros(self.scratch.nbytes, dtype=torch.uint8, device=self.device)
-        self.output = torch.empty((capacity, weights.hidden), dtype=out_dtype, device=self.device)
-        self._views = {name: self._view(name) for name in self.scratch.offsets}
+        self.stream_arenas = bool(stream_arenas)
+        first = _Arena(self.scratch, capacity, weights.hidden, out_dtype, self.device)
+        self._arenas = {torch.cuda.current_stream(self.device).cuda_stream: first}
+        self._default_arena = first
+        self.arena, self.output, self._views = first.buffer, first.output, first.views
         w = weights
         self._weight_tensors = {
             "gate_trellis": w.gate_trellis, "up_trellis": w.up_trellis, "down_trellis": w.down_trellis,
@@ -155,10 +195,21 @@ class MoELayer:
             self._table = torch.zeros(16, dtype=torch.uint8, device=self.device)
         self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
 
-    def _view(self, name: str) -> torch.Tensor:
-        sl = self.scratch
-        raw = self.arena[sl.offsets[name]: sl.offsets[name] + sl.sizes[name]]
-        return raw.view(sl.dtypes[name]).view(sl.shapes[name])
+    def _arena_for_current_stream(self) -> "_Arena":
+        if not self.stream_arenas:
+            return self._default_arena
+        handle = torch.cuda.current_stream(self.device).cuda_stream
+        arena = self._arenas.get(handle)
+        if arena is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "MoELayer(stream_arenas=True): the first bind on a stream allocates its "
+                    "arena, which cannot happen during CUDA-graph capture; bind once on this "
+                    "stream before capturing")
+            arena = _Arena(self.scratch, self.capacity, self.weights.hidden, self.out_dtype,
+                           self.device)
+            self._arenas[handle] = arena
+        return arena
 
     def describe(self) -> str:
         return self.plan.describe(scratch_bytes={"arena": self.scratch.nbytes,
@@ -176,7 +227,7 @@ class MoELayer:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-        if t.data_ptr() % 16:
+        if t.numel() and t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x})")
 
     def bind(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
@@ -190,14 +241,15 @@ class MoELayer:
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError("x must be a 2-D tensor [m, hidden]")
         m = x.shape[0]
-        if not 1 <= m <= self.capacity:
-            raise ValueError(f"token count {m} outside 1..{self.capacity} (the layer's capacity)")
+        if not 0 <= m <= self.capacity:
+            raise ValueError(f"token count {m} outside 0..{self.capacity} (the layer's capacity)")
         H = self.weights.hidden
         self._check_input("x", x, self.act_dtype, (m, H))
         self._check_input("topk_ids", topk_ids, torch.int32, (m, self.topk))
         self._check_input("topk_weights", topk_weights, torch.float32, (m, self.topk))
+        arena = self._arena_for_current_stream()
         if out is None:
-            out = self.output[:m]
+            out = arena.output[:m]
         self._check_input("out", out, self.out_dtype, (m, H))
         n_ids = self.weights.num_experts
         if self.num_global_experts is not None:
@@ -207,20 +259,23 @@ class MoELayer:
             n_ids = self.num_global_experts
         elif expert_map is not None:
             raise ValueError("expert_map given but the layer was planned without num_global_experts")
+        if m == 0:  # nothing to route: no launch, an empty output
+            return BoundForward(self.plan.decode, {}, {}, out, arena, self._stream_key())
         if check_ids is None:
             check_ids = not torch.cuda.is_current_stream_capturing()
         if check_ids:
             lo, hi = torch.aminmax(topk_ids)
             lo, hi = int(lo), int(hi)
-            if lo < 0 or hi >= n_ids:
-                raise ValueError(f"topk_ids must lie in [0, {n_ids}), got range [{lo}, {hi}]")
+            if lo < -1 or hi >= n_ids:
+                raise ValueError(f"topk_ids must lie in [0, {n_ids}) or be -1 (no route), "
+                                 f"got range [{lo}, {hi}]")
             if expert_map is not None:
                 lo, hi = torch.aminmax(expert_map)
                 if int(lo) < -1 or int(hi) >= self.weights.num_experts:
                     raise ValueError(f"expert_map values must lie in [-1, {self.weights.num_experts})")
         plan = self.plan.plan_for(m)
         tensors = dict(self._weight_tensors)
-        tensors.update(self._views)
+        tensors.update(arena.views)
         tensors.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, out=out,
                        expert_map=expert_map if expert_map is not None else self._no_map,
                        codebook_table=self._table)
@@ -233,16 +288,53 @@ class MoELayer:
             "routes_cap": n,
             "sm_count": self._sm_count,
         }
-        return BoundForward(plan, tensors, ints, out)
+        return BoundForward(plan, tensors, ints, out, arena, self._stream_key())
 
-    def __call__(self, x, topk_ids, topk_weights, **kw) -> torch.Tensor:
-        return self.bind(x, topk_ids, topk_weights, **kw).run()
+    def _stream_key(self):
+        return torch.cuda.current_stream(self.device).cuda_stream if self.stream_arenas else None
+
+    def __call__(self, x, topk_ids, topk_weights, *, wait_for_previous: bool = False,
+                 **kw) -> torch.Tensor:
+        return self.bind(x, topk_ids, topk_weights, **kw).run(wait_for_previous=wait_for_previous)
+
+
+class _Arena:
+    """One scratch arena and output buffer, with the stream-ordering state of the stream
+    rule (module docstring): the stream of the last forward and an event recorded after it."""
+
+    def __init__(self, scratch: ScratchLayout, capacity: int, hidden: int, out_dtype, device):
+        self.buffer = torch.zeros(scratch.nbytes, dtype=torch.uint8, device=device)
+        self.output = torch.empty((capacity, hidden), dtype=out_dtype, device=device)
+        self.views = {}
+        for name in scratch.offsets:
+            raw = self.buffer[scratch.offsets[name]: scratch.offsets[name] + scratch.sizes[name]]
+            self.views[name] = raw.view(scratch.dtypes[name]).view(scratch.shapes[name])
+        self.last_stream: Optional[int] = None
+        self.done: Optional[torch.cuda.Event] = None
+
+    def before_launch(self, stream: torch.cuda.Stream, wait_for_previous: bool) -> None:
+        if self.last_stream is None or self.last_stream == stream.cuda_stream:
+            return  # same stream: launches are ordered
+        if wait_for_previous:
+            stream.wait_event(self.done)
+        elif not self.done.query():
+            raise RuntimeError(
+                f"this MoELayer's scratch arena is still in use by a forward on stream "
+                f"{self.last_stream:#x}; a forward on stream {stream.cuda_stream:#x} now would "
+                "corrupt it. Order the two (run(wait_for_previous=True), or synchronize), or "
+                "build the layer with stream_arenas=True for one arena per stream")
+
+    def after_launch(self, stream: torch.cuda.Stream) -> None:
+        if self.done is None:
+            self.done = torch.cuda.Event()
+        self.done.record(stream)
+        self.last_stream = stream.cuda_stream
 
 
 class BoundForward:
     """A validated call: run() launches on the current stream, allocation-free."""
 
-    def __init__(self, plan, tensors, ints, out):
+    def __init__(self, plan, tensors, ints, out, arena: "_Arena", stream_key=None):
         import cutlass
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_ptr
@@ -251,8 +343,14 @@ class BoundForward:
 
         self.plan = plan
         self.out = out
+        self._arena = arena
+        self._stream_key = stream_key  # per-stream arenas: the stream it was bound on
         self._tensors = tensors  # keep the tensors alive while bound
+        self._empty = not tensors  # m = 0: nothing to launch
         args = []
+        if self._empty:
+            self._args = args
+            return
         for name, dt in ARG_NAMES:
             if dt is None:
                 args.append(cutlass.Int32(ints[name]))
@@ -265,9 +363,21 @@ class BoundForward:
     def block_m(self) -> int:
         return self.plan.spec.block_m
 
-    def run(self) -> torch.Tensor:
+    def run(self, *, wait_for_previous: bool = False) -> torch.Tensor:
+        """Launch on the current stream (see the stream rule in the module docstring)."""
         import cuda.bindings.driver as cuda
 
-        stream = cuda.CUstream(torch.cuda.current_stream(self.out.device).cuda_stream)
-        self.plan.fn(*self._args, stream)
+        if self._empty:
+            return self.out
+        stream = torch.cuda.current_stream(self.out.device)
+        if self._stream_key is not None and stream.cuda_stream != self._stream_key:
+            raise RuntimeError(
+                f"this binding uses the arena of stream {self._stream_key:#x} "
+                f"(stream_arenas=True); bind again on stream {stream.cuda_stream:#x}")
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self._arena.before_launch(stream, wait_for_previous)
+        self.plan.fn(*self._args, cuda.CUstream(stream.cuda_stream))
+        if not capturing:
+            self._arena.after_launch(stream)
         return self.out
