@@ -47,6 +47,9 @@ def workload(cache_dir: str) -> None:
     if wgmma:
         cfgs += [dict(mma="wgmma", bits=4, pin=32, shared=True, emap=False),  # spans of 2
                  dict(mma="wgmma", bits=3, pin=64, span=2, shared=False, emap=True)]
+    only = os.environ.get("KQ_SANITIZE_ONLY")  # one config (index), for a quick look
+    if only:
+        cfgs = [cfgs[int(only)]]
     for i, c in enumerate(cfgs):
         wts = MoEWeights.random(E, H, I, c["bits"], "mcg", shared_hidden_vectors=c["shared"],
                                 seed=i, device="cuda")
@@ -150,7 +153,7 @@ def parse_log(text: str) -> dict:
         m = _BLOCK_START.match(line)
         if m:
             head = m.group(1).strip()
-            if any(head.startswith(s) for s in _SKIP):
+            if not head or any(head.startswith(s) for s in _SKIP):
                 if "SUMMARY" in head:
                     summary = head
                 cur = None

@@ -87,10 +87,32 @@ def _cute(args: dict) -> dict:
     return {"status": res.status, "key": res.key, "meta": res.meta}
 
 
+def _plans(args: dict) -> dict:
+    """Plan (really compile) two layers of different geometry on one shared cache dir."""
+    from kquant_cute.compile_cache import CompileCache
+    from kquant_cute.compiler import plan_forward
+    from kquant_cute.planners import PlanEnv
+    from kquant_cute.prewarm import DEFAULT_GEOMETRY
+
+    cache = CompileCache(args["dir"], frozen=False)
+    open(os.path.join(args["barrier"], f"ready.{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + 120
+    while len(os.listdir(args["barrier"])) < args["n"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    keys = []
+    for geo in args["geometries"]:
+        base = DEFAULT_GEOMETRY.replace(**geo)
+        plan = plan_forward(base, capacity=64, arch=args["arch"], env=PlanEnv(prefill_disabled=True),
+                            cache=cache)
+        keys += [plan.decode.entry.meta["key"]]
+    info = cache.cache_info()
+    return {"keys": keys, "compiles": info.compiles, "disk_loads": info.disk_loads}
+
+
 def main() -> int:
     mode, raw = sys.argv[1], sys.argv[2]
     args = json.loads(raw)
-    out = {"key": _key, "race": _race, "cute": _cute}[mode](args)
+    out = {"key": _key, "race": _race, "cute": _cute, "plans": _plans}[mode](args)
     print(json.dumps(out))
     return 0
 

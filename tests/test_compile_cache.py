@@ -695,3 +695,23 @@ def test_listing_a_missing_dir_does_not_create_it(tmp_path: Path, capsys: pytest
     assert not missing.exists() and not missing.parent.exists()
     # Building still works (memory only) and still does not create the directory.
     assert _get(cache, Counter()).status == "compiled" and not missing.exists()
+
+
+@pytest.mark.slow
+def test_eight_processes_two_layers_compile_each_key_once(tmp_path: Path) -> None:
+    """Real compiles: 8 processes each plan two layers of different geometry on one empty
+    cache directory; each specialization is compiled by exactly one of them."""
+    n = 8
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    geos = [dict(num_experts=4, hidden=128, intermediate=128, topk=2, bits=2),
+            dict(num_experts=3, hidden=256, intermediate=128, topk=1, bits=3, codebook="mul1")]
+    args = {"dir": str(tmp_path / "cc"), "barrier": str(barrier), "n": n, "arch": "sm_120",
+            "geometries": geos}
+    procs = [_run_worker("plans", args) for _ in range(n)]
+    results = [_result(p, timeout=600) for p in procs]
+    keys = {k for r in results for k in r["keys"]}
+    assert len(keys) == 2 and all(len(set(r["keys"])) == 2 for r in results)
+    assert sum(r["compiles"] for r in results) == 2, results  # each key once
+    assert sum(r["disk_loads"] for r in results) >= 2 * n - 2
+    assert len(list((tmp_path / "cc").glob("*.json"))) == 2

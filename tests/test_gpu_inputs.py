@@ -140,13 +140,16 @@ def test_forward_on_another_stream_while_busy_raises(setup):
     x, ids, w = _inputs(64, E, 5)
     want = layer(x, ids, w).clone()
     other = torch.cuda.Stream()
+    with torch.cuda.stream(other):  # bind checks ids with a host sync of its own stream
+        late, ordered = layer.bind(x, ids, w), layer.bind(x, ids, w)
+    bound = layer.bind(x, ids, w)
     torch.cuda._sleep(200_000_000)  # keep the default stream busy (~0.1 s)
-    layer(x, ids, w)
+    bound.run()  # its completion event now lies behind the sleep
     with torch.cuda.stream(other):
         with pytest.raises(RuntimeError, match="scratch arena is still in use"):
-            layer(x, ids, w)
+            late.run()
         torch.cuda._sleep(50_000_000)
-        got = layer(x, ids, w, wait_for_previous=True).clone()  # ordered on the GPU
+        got = ordered.run(wait_for_previous=True).clone()  # ordered on the GPU
     torch.cuda.synchronize()
     assert torch.equal(got, want)
     # Finished work on the other stream is no obstacle.
