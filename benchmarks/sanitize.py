@@ -29,6 +29,12 @@ import time
 KERNELS = ("TrellisWgmma", "TrellisGemm", "TrellisDecode", "RoutePack", "RotateInput",
            "MidActivation", "CombineOutput")
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+#: Reports understood and harmless: where they come from (see docs/benchmarks.md).
+EXPLAINED = {
+    "host:cuGetProcAddress_v2": "cuda-bindings (cydriver) resolving driver entry points at the "
+    "first cute.compile of a process (the DSL's detect_gpu_arch); a host API return code the "
+    "bindings handle, not a kernel error: 34 per process that JIT-compiles, 0 otherwise",
+}
 
 
 # -- the workload (runs inside the sanitizer) ------------------------------------------------
@@ -67,7 +73,7 @@ def workload(cache_dir: str) -> None:
             emap = torch.full((n_global,), -1, dtype=torch.int32, device="cuda")
             emap[1::2] = torch.arange(E, dtype=torch.int32, device="cuda")
             n_ids = n_global
-        for m in (16, 200):
+        for m in (5, 200):  # 5 <= the prefill threshold (8): the decode plan, M = 8
             x = torch.randn(m, H, generator=g, device="cuda").to(torch.bfloat16)
             ids = torch.rand(m, n_ids, generator=g, device="cuda").topk(4, dim=1).indices
             ids = ids.to(torch.int32)
@@ -224,13 +230,19 @@ def main() -> int:
         label = f"{r['tool'] or 'plain'}-{'cold' if r['cache'] == cold else 'warm'}"
         results.append({"run": label, **r, **parsed})
         errs = sum(d["errors"] for d in parsed["by_kernel"].values())
-        print(f"{label:16} rc={r['rc']} {r['seconds']:6.1f} s  {parsed['summary']}  reports={errs}")
+        unexplained = sum(d["errors"] for k, d in parsed["by_kernel"].items() if k not in EXPLAINED)
+        results[-1]["unexplained"] = unexplained
+        print(f"{label:16} rc={r['rc']} {r['seconds']:6.1f} s  {parsed['summary']}  "
+              f"reports={errs} unexplained={unexplained}")
         for k, d in sorted(parsed["by_kernel"].items()):
             kinds = "; ".join(f"{n} x {kind}" for kind, n in d["kinds"].items())
-            print(f"    {k:24} {d['errors']:4} reports {d['hazards']:8} hazards  {kinds}")
+            why = f"  [explained: {EXPLAINED[k]}]" if k in EXPLAINED else ""
+            print(f"    {k:24} {d['errors']:4} reports {d['hazards']:8} hazards  {kinds}{why}")
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(results, f, indent=1)
-    return 0
+    bad = sum(r["unexplained"] for r in results) + sum(r["rc"] != 0 for r in results)
+    print(f"unexplained reports or failed runs: {bad}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
