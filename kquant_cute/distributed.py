@@ -497,6 +497,11 @@ class BoundDistributedForward:
         self.owner, self._compute, self.partial, self.out, self._gather = (owner, compute,
                                                                             partial, out, gather)
 
+    @property
+    def block_m(self) -> Optional[int]:
+        """The route block M of the bound kernel plan (None for the reference backend)."""
+        return getattr(getattr(self._compute, "__self__", None), "block_m", None)
+
     def run_compute(self) -> torch.Tensor:
         """The rank's partial output only (no collective): the single-GPU shard time."""
         return self._compute()
@@ -539,7 +544,8 @@ class BoundDistributedForward:
         torch.cuda.current_stream(self.owner.device).wait_stream(side)
         torch.cuda.synchronize(self.owner.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: the NCCL watchdog thread may query events while this thread captures.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.run()
         return graph
 

@@ -237,3 +237,24 @@ def _hang_worker(rank, world):
 def test_launch_times_out_and_stops_its_ranks():
     with pytest.raises(TimeoutError, match="did not finish within 3"):
         launch(_hang_worker, 2, backend="gloo", timeout_s=3)
+
+
+def test_bench_dist_table_takes_the_slowest_rank():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "benchmarks"))
+    import bench_dist
+
+    row = {"tp": 2, "ep": 1, "comm_dtype": "float32", "tokens": 1536, "block_m": 32}
+    results = [[{**row, "kernel": 2.0, "comm": 0.3, "step": 2.4, "alone": 1.9}],
+               [{**row, "kernel": 2.2, "comm": 0.2, "step": 2.5}]]
+    cells = bench_dist.summarize(results)
+    assert cells[0]["kernel"] == 2.2 and cells[0]["kernel_min"] == 2.0
+    assert cells[0]["step"] == 2.5 and cells[0]["alone"] == 1.9
+    assert abs(cells[0]["exposed_comm"] - 0.3) < 1e-12
+    lines = bench_dist.format_table(cells, 2)
+    assert len({line.count("|") for line in lines}) == 1
+    assert [c.strip() for c in lines[2].strip("|").split("|")] == [
+        "2", "tp2 x ep1", "float32", "1,536", "32", "2.200", "1.900", "0.300", "2.500", "+0.300"]
