@@ -1,0 +1,551 @@
+"""Trellis-coded experts inside Hugging Face transformers MoE models.
+
+This module owns the bridge between transformers' sparse MoE blocks and kquant_cute:
+
+* :func:`find_moe_blocks` -- the supported sparse MoE blocks of a model
+  (:data:`SUPPORTED_BLOCKS`) and the geometry of their routed experts;
+* :func:`quantize_model` -- every routed expert's gate / up / down projection through the
+  Viterbi quantizer (:func:`kquant_cute.quantize.quantize`), with a progress bar;
+* :func:`save_quantized` / :func:`load_quantized` -- safetensors files with EXL3 tensor
+  names (``{experts}.{e}.{gate_proj|up_proj|down_proj}.{trellis|suh|svh|mcg|mul1}``),
+  reloaded through :class:`kquant_cute.weights.TrellisLinear` and
+  :meth:`kquant_cute.weights.MoEWeights.from_experts`;
+* :class:`TrellisExperts` / :func:`replace_experts` -- a drop-in for the block's
+  ``experts`` module: the fused :class:`kquant_cute.layer.MoELayer` on CUDA, the torch
+  reference (:func:`kquant_cute.reference.reference_moe`) on the CPU;
+* :func:`dequantize_into` -- the dense dequantized weights written back into an original
+  experts module (the comparison model the checks run against).
+
+The model's router, shared experts, residuals and everything else stay as they are: in
+transformers 5.x every supported block calls ``self.experts(hidden [T, H], top_k_index
+[T, k], top_k_weights [T, k])`` with experts stored as stacked ``gate_up_proj`` /
+``down_proj`` parameters, so replacing that one module replaces exactly the routed-expert
+computation. The fused forward takes int32 ids and fp32 router weights (converted here).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from .. import trellis as tc
+from ..reference import reference_moe
+from ..weights import MoEWeights, TrellisLinear
+
+__all__ = [
+    "SUPPORTED_BLOCKS",
+    "MoEBlockInfo",
+    "find_moe_blocks",
+    "quantize_model",
+    "quantize_experts",
+    "dense_projections",
+    "dequantize_into",
+    "save_quantized",
+    "load_quantized",
+    "TrellisExperts",
+    "replace_experts",
+]
+
+#: Sparse MoE block classes whose routed experts can be replaced. Each calls
+#: ``self.experts(hidden, top_k_index, top_k_weights)`` after its own router and adds any
+#: shared expert itself (checked in transformers 5.17 and 5.24).
+SUPPORTED_BLOCKS: tuple[str, ...] = (
+    "Qwen3MoeSparseMoeBlock",   # softmax top-k, optional norm_topk_prob
+    "DeepseekV3MoE",            # sigmoid grouped routing + shared experts
+    "Qwen2MoeSparseMoeBlock",   # softmax top-k + sigmoid-gated shared expert
+    "MixtralSparseMoeBlock",
+    "OlmoeSparseMoeBlock",
+)
+
+#: EXL3 names of an expert's projections, in kernel order.
+EXL3_PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+#: EXL3 codebook marker tensors (int32 scalars holding the codebook's multiplier; only the
+#: marker's presence selects the codebook, see TrellisLinear.from_exl3).
+_MARKERS = {"mcg": 0xCBAC1FED, "mul1": 0x83DCD12D}
+#: Gated activations the fused kernel implements, by transformers' ``hidden_act`` name.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu"}
+#: safetensors metadata ``format`` of files written by :func:`save_quantized`.
+FILE_FORMAT = "kquant-cute/exl3-experts/1"
+_BACKENDS = ("auto", "fused", "reference")
+
+
+@dataclass(frozen=True)
+class MoEBlockInfo:
+    """One sparse MoE block of a model and the geometry of its routed experts."""
+
+    name: str            # module path of the block, e.g. "model.layers.1.mlp"
+    experts_name: str    # module path of its experts, e.g. "model.layers.1.mlp.experts"
+    block: nn.Module
+    experts: nn.Module
+    num_experts: int
+    hidden: int
+    intermediate: int
+    topk: int
+    activation: str      # kquant_cute activation name
+
+    @property
+    def replaced(self) -> bool:
+        return isinstance(self.experts, TrellisExperts)
+
+
+# --------------------------------------------------------------------------------------
+# Finding blocks
+# --------------------------------------------------------------------------------------
+
+
+def _experts_geometry(path: str, mod: nn.Module) -> tuple[int, int, int, str]:
+    """(E, H, I, activation) of a transformers stacked-experts module, or a ValueError
+    naming the module and the feature the fused forward does not implement."""
+    if isinstance(mod, TrellisExperts):
+        return mod.num_experts, mod.hidden_dim, mod.intermediate_dim, mod.activation
+    gate_up = getattr(mod, "gate_up_proj", None)
+    down = getattr(mod, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        raise ValueError(f"{path}: {type(mod).__name__} has no stacked gate_up_proj / down_proj "
+                         "tensors (transformers >= 5 experts layout expected)")
+    unsupported = [flag for flag, bad in (("has_bias", True), ("has_gate", False),
+                                          ("has_post_expert_norm", True),
+                                          ("is_concatenated", False))
+                   if getattr(mod, flag, not bad) == bad]
+    if getattr(type(mod), "_apply_gate", None) is not None and \
+            type(mod)._apply_gate.__name__ != "_default_apply_gate":
+        unsupported.append("custom _apply_gate")
+    if unsupported:
+        raise ValueError(f"{path}: {type(mod).__name__} uses {', '.join(unsupported)}; the "
+                         "fused forward implements bias-free gated experts (act(gate) * up)")
+    act_name = getattr(getattr(mod, "config", None), "hidden_act", None)
+    if act_name not in _ACTIVATIONS:
+        raise ValueError(f"{path}: activation {act_name!r} is not supported (supported: "
+                         f"{', '.join(sorted(_ACTIVATIONS))})")
+    if gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError(f"{path}: gate_up_proj {tuple(gate_up.shape)} and down_proj "
+                         f"{tuple(down.shape)} must be 3-D [E, ., .]")
+    transposed = bool(getattr(mod, "is_transposed", False))
+    if transposed:  # gate_up [E, H, 2I], down [E, I, H]
+        e, h, i2 = gate_up.shape
+        want_down = (e, i2 // 2, h)
+    else:           # gate_up [E, 2I, H], down [E, H, I]
+        e, i2, h = gate_up.shape
+        want_down = (e, h, i2 // 2)
+    if i2 % 2 or tuple(down.shape) != want_down:
+        raise ValueError(f"{path}: gate_up_proj {tuple(gate_up.shape)} and down_proj "
+                         f"{tuple(down.shape)} do not describe one [E, H, I] expert stack")
+    i = i2 // 2
+    for what, n in (("hidden size", h), ("expert intermediate size", i)):
+        if n % tc.HADAMARD_BLOCK:
+            raise ValueError(f"{path}: {what} {n} is not a multiple of {tc.HADAMARD_BLOCK} "
+                             "(trellis tiles are rotated in 128-blocks)")
+    return e, h, i, _ACTIVATIONS[act_name]
+
+
+def _block_topk(path: str, block: nn.Module) -> int:
+    for owner in (getattr(block, "gate", None), block):
+        k = getattr(owner, "top_k", None)
+        if isinstance(k, int) and k > 0:
+            return k
+    k = getattr(getattr(block, "config", None), "num_experts_per_tok", None)
+    if isinstance(k, int) and k > 0:
+        return k
+    raise ValueError(f"{path}: cannot find the router's top-k (no gate.top_k)")
+
+
+def find_moe_blocks(model: nn.Module) -> list[MoEBlockInfo]:
+    """The model's supported sparse MoE blocks, in module order.
+
+    Raises ValueError when the model has no supported block, or has a module that looks
+    like an MoE block (``experts`` and ``gate`` children) of an unsupported class.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    found, unknown = [], []
+    for name, mod in model.named_modules():
+        cls = type(mod).__name__
+        if cls in SUPPORTED_BLOCKS:
+            experts = getattr(mod, "experts", None)
+            if experts is None:
+                raise ValueError(f"{name}: {cls} has no experts module")
+            path = f"{name}.experts" if name else "experts"
+            e, h, i, act = _experts_geometry(path, experts)
+            found.append(MoEBlockInfo(name, path, mod, experts, e, h, i, _block_topk(name, mod),
+                                      act))
+        elif hasattr(mod, "experts") and hasattr(mod, "gate") and not isinstance(mod, TrellisExperts):
+            unknown.append(f"{name} ({cls})")
+    if unknown:
+        raise ValueError(f"unsupported MoE block type(s): {', '.join(unknown)}; supported: "
+                         f"{', '.join(SUPPORTED_BLOCKS)}")
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no supported sparse MoE block "
+                         f"(supported: {', '.join(SUPPORTED_BLOCKS)})")
+    return found
+
+
+# --------------------------------------------------------------------------------------
+# Dense views, quantization, dequantization
+# --------------------------------------------------------------------------------------
+
+
+def dense_projections(experts: nn.Module) -> dict[str, torch.Tensor]:
+    """Views of an original experts module's weights in the ``y = x @ W`` orientation:
+    ``gate``, ``up`` [E, H, I] and ``down`` [E, I, H] (no copies)."""
+    _, _, i, _ = _experts_geometry(type(experts).__name__, experts)
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if getattr(experts, "is_transposed", False):
+        return {"gate": gate_up[:, :, :i], "up": gate_up[:, :, i:], "down": down}
+    return {"gate": gate_up[:, :i, :].transpose(1, 2), "up": gate_up[:, i:, :].transpose(1, 2),
+            "down": down.transpose(1, 2)}
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm ships with transformers
+        return None
+    return tqdm(total=total, desc=desc, unit="expert")
+
+
+def quantize_experts(experts: nn.Module, bits: int, codebook: str = "mcg", *,
+                     device: Optional[torch.device | str] = None,
+                     generator: Optional[torch.Generator] = None,
+                     bar=None, **quantize_options: Any) -> MoEWeights:
+    """Quantize one original experts module's projections; returns :class:`MoEWeights` on
+    ``device`` (default: the weights' device). ``bar`` (a tqdm bar) advances per expert."""
+    tc.check_codebook(codebook, bits)
+    views = dense_projections(experts)
+    dev = torch.device(device) if device is not None else views["gate"].device
+    out = []
+    with torch.no_grad():
+        for e in range(views["gate"].shape[0]):
+            out.append({p: TrellisLinear.from_dense(views[p][e], bits, codebook,
+                                                    generator=generator, device=dev,
+                                                    **quantize_options)
+                        for p in EXL3_PROJECTIONS})
+            if bar is not None:
+                bar.update(1)
+    return MoEWeights.from_experts(out)
+
+
+def quantize_model(model: nn.Module, bits: int = 4, codebook: str = "mcg", *,
+                   device: Optional[torch.device | str] = None, seed: int = 0,
+                   progress: bool = True, **quantize_options: Any) -> dict[str, MoEWeights]:
+    """Trellis-quantize every routed expert of every supported block.
+
+    Returns ``{experts module path: MoEWeights}`` on ``device`` (default: CUDA when
+    available, else the CPU); the Viterbi search runs there. Sign vectors come from a CPU
+    generator seeded with ``seed``, so a seed gives the same codes on every device up to
+    the search's floating-point ties. The model is not modified.
+    """
+    blocks = find_moe_blocks(model)
+    replaced = [b.experts_name for b in blocks if b.replaced]
+    if replaced:
+        raise ValueError(f"already replaced, nothing dense to quantize: {', '.join(replaced)}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(seed)
+    bar = _progress(sum(b.num_experts for b in blocks), f"quantize K={bits} {codebook}", progress)
+    result = {}
+    try:
+        for b in blocks:
+            if bar is not None:
+                bar.set_postfix_str(b.experts_name)
+            result[b.experts_name] = quantize_experts(b.experts, bits, codebook, device=device,
+                                                      generator=gen, bar=bar, **quantize_options)
+    finally:
+        if bar is not None:
+            bar.close()
+    return result
+
+
+def dense_weights(weights: MoEWeights, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The dequantized ``gate``, ``up`` [E, H, I] and ``down`` [E, I, H] (``y = x @ W``) of
+    ``weights``, built expert by expert with :meth:`TrellisLinear.dense` on their device."""
+    e_n, h, i = weights.num_experts, weights.hidden, weights.intermediate
+    shapes = {"gate": (e_n, h, i), "up": (e_n, h, i), "down": (e_n, i, h)}
+    out = {p: torch.empty(s, dtype=dtype, device=weights.device) for p, s in shapes.items()}
+    for e in range(e_n):
+        for p, lin in weights.expert(e).items():
+            out[p][e].copy_(lin.dense(torch.float32))
+    return out
+
+
+def dequantize_into(model: nn.Module, experts: Mapping[str, MoEWeights]) -> nn.Module:
+    """Overwrite the original experts modules named in ``experts`` with the dense
+    dequantized weights (cast to each parameter's dtype and device). Returns ``model``."""
+    blocks = {b.experts_name: b for b in find_moe_blocks(model)}
+    _check_names(blocks, experts)
+    with torch.no_grad():
+        for name, w in experts.items():
+            b = blocks[name]
+            if b.replaced:
+                raise ValueError(f"{name} is already a TrellisExperts; dequantize into an "
+                                 "unreplaced copy of the model")
+            _check_geometry(b, w)
+            views = dense_projections(b.experts)
+            for p, dense in dense_weights(w).items():
+                views[p].copy_(dense.to(views[p].device))
+    return model
+
+
+def _check_names(blocks: Mapping[str, MoEBlockInfo], experts: Mapping[str, MoEWeights]) -> None:
+    if not isinstance(experts, Mapping):
+        raise TypeError("experts must map experts module paths to MoEWeights")
+    extra = sorted(set(experts) - set(blocks))
+    if extra:
+        raise ValueError(f"no supported MoE block has experts at {', '.join(extra)} (the "
+                         f"model's: {', '.join(blocks)})")
+    for name, w in experts.items():
+        if not isinstance(w, MoEWeights):
+            raise TypeError(f"experts[{name!r}] must be a MoEWeights, got {type(w).__name__}")
+
+
+def _check_geometry(block: MoEBlockInfo, w: MoEWeights) -> None:
+    got = (w.num_experts, w.hidden, w.intermediate)
+    want = (block.num_experts, block.hidden, block.intermediate)
+    if got != want:
+        raise ValueError(f"{block.experts_name}: quantized experts have (E, H, I) = {got}, the "
+                         f"model's block {want}")
+
+
+# --------------------------------------------------------------------------------------
+# safetensors with EXL3 names
+# --------------------------------------------------------------------------------------
+
+
+def save_quantized(experts: Mapping[str, MoEWeights], path: str, *,
+                   metadata: Optional[Mapping[str, str]] = None) -> None:
+    """Write ``{experts path: MoEWeights}`` to one safetensors file with EXL3 names: per
+    expert ``e`` and projection, ``{path}.{e}.{gate_proj|up_proj|down_proj}.trellis`` (int16),
+    ``.suh`` / ``.svh`` (fp16) and the codebook marker ``.mcg`` / ``.mul1`` (none for 3inst).
+    Shared hidden-side vectors are written into every expert (EXL3 has no shared tensor);
+    the header records the sharing so :func:`load_quantized` restores the layout exactly."""
+    from safetensors.torch import save_file
+
+    if not experts:
+        raise ValueError("nothing to save: experts is empty")
+    codebooks = {w.codebook for w in experts.values()}
+    bits = {w.bits for w in experts.values()}
+    if len(codebooks) != 1 or len(bits) != 1:
+        raise ValueError(f"one codebook and K per file, got {sorted(codebooks)} / {sorted(bits)}")
+    tensors: dict[str, torch.Tensor] = {}
+    blocks = {}
+    for prefix, w in experts.items():
+        if not isinstance(w, MoEWeights):
+            raise TypeError(f"experts[{prefix!r}] must be a MoEWeights, got {type(w).__name__}")
+        blocks[prefix] = {"num_experts": w.num_experts, "shared": w.shared_hidden_vectors}
+        cpu = w.to("cpu")
+        for e in range(cpu.num_experts):
+            for p, lin in cpu.expert(e).items():
+                base = f"{prefix}.{e}.{EXL3_PROJECTIONS[p]}."
+                tensors[base + "trellis"] = lin.trellis.contiguous()
+                # clones: a shared vector would otherwise alias across experts
+                tensors[base + "suh"] = lin.suh.clone()
+                tensors[base + "svh"] = lin.svh.clone()
+                if lin.codebook in _MARKERS:
+                    marker = _MARKERS[lin.codebook]
+                    tensors[base + lin.codebook] = torch.tensor(
+                        marker - (1 << 32) if marker >= 1 << 31 else marker, dtype=torch.int32)
+    meta = {"format": FILE_FORMAT, "codebook": codebooks.pop(), "bits": str(bits.pop()),
+            "blocks": json.dumps(blocks)}
+    meta.update(metadata or {})
+    save_file(tensors, path, metadata=meta)
+
+
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<e>\d+)\.(gate_proj|up_proj|down_proj)\.trellis$")
+
+
+def load_quantized(path: str, device: torch.device | str = "cpu",
+                   codebook: Optional[str] = None) -> dict[str, MoEWeights]:
+    """Read a file written by :func:`save_quantized` (or any EXL3-named expert checkpoint:
+    blocks are then found from the ``{prefix}.{e}.gate_proj.trellis`` keys, and QSRT
+    ``sqg_e4m3`` files need ``codebook``) into ``{experts path: MoEWeights}`` on ``device``."""
+    from safetensors import safe_open
+
+    dev = torch.device(device)
+    with safe_open(path, framework="pt", device=str(dev)) as f:
+        meta = f.metadata() or {}
+        keys = set(f.keys())
+        if meta.get("format") == FILE_FORMAT:
+            blocks = json.loads(meta["blocks"])
+            codebook = codebook or meta["codebook"]
+        else:
+            counts: dict[str, int] = {}
+            for k in keys:
+                m = _EXPERT_KEY.match(k)
+                if m:
+                    counts[m["prefix"]] = max(counts.get(m["prefix"], 0), int(m["e"]) + 1)
+            if not counts:
+                raise ValueError(f"{path}: no expert tensors named "
+                                 "'{prefix}.{e}.gate_proj.trellis'")
+            blocks = {p: {"num_experts": n, "shared": None} for p, n in counts.items()}
+        out = {}
+        for prefix, info in blocks.items():
+            experts = []
+            for e in range(info["num_experts"]):
+                layers = {}
+                for p, pname in EXL3_PROJECTIONS.items():
+                    base = f"{prefix}.{e}.{pname}."
+                    if base + "trellis" not in keys:
+                        raise ValueError(f"{path}: missing tensor {base}trellis")
+                    t = {k: f.get_tensor(base + k) for k in ("trellis", "suh", "svh", "bias",
+                                                            "mcg", "mul1") if base + k in keys}
+                    if codebook == "sqg_e4m3":
+                        lin = TrellisLinear.from_qsrt(t, codebook)
+                    else:
+                        lin = TrellisLinear.from_exl3(t)
+                        if codebook is not None and lin.codebook != codebook:
+                            raise ValueError(f"{path}: {base}* markers say codebook "
+                                             f"{lin.codebook!r}, the header {codebook!r}")
+                    layers[p] = lin
+                experts.append(layers)
+            w = MoEWeights.from_experts(experts)
+            if info["shared"] is False and w.shared_hidden_vectors:
+                # identical per-expert vectors (e.g. one expert): keep the saved layout
+                per = {n: getattr(w, n).unsqueeze(0).expand(w.num_experts, -1).clone()
+                       for n in ("gate_suh", "up_suh", "down_svh")}
+                w = MoEWeights(**{**dict(w.tensors()), **per}, codebook=w.codebook)
+            out[prefix] = w
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# The replacement experts module
+# --------------------------------------------------------------------------------------
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+class TrellisExperts(nn.Module):
+    """Routed experts of one MoE block on trellis-coded weights.
+
+    Same call as transformers' experts modules: ``forward(hidden_states [T, H],
+    top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` in the hidden states' dtype.
+    Backend ``"fused"`` runs :class:`kquant_cute.layer.MoELayer` (CUDA weights; token counts
+    above ``capacity`` run in chunks of ``capacity``; capture-safe: the layer's plans are
+    compiled and its buffers allocated here, at construction); ``"reference"`` runs
+    :func:`kquant_cute.reference.reference_moe` in fp32 on any device.
+
+    The weights are a plain attribute, not parameters or buffers, so ``model.to(dtype)``
+    cannot cast the fp16 rotation vectors; move the model before replacing.
+    """
+
+    def __init__(self, weights: MoEWeights, topk: int, *, activation: str = "silu",
+                 backend: str = "auto", capacity: int = 1024,
+                 act_dtype: torch.dtype = torch.bfloat16, check_ids: bool = True,
+                 **layer_options: Any):
+        super().__init__()
+        if not isinstance(weights, MoEWeights):
+            raise TypeError(f"weights must be a MoEWeights, got {type(weights).__name__}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend {backend!r} not in {_BACKENDS}")
+        if backend == "auto":
+            backend = "fused" if weights.device.type == "cuda" else "reference"
+        if backend == "fused" and weights.device.type != "cuda":
+            raise ValueError(f"backend 'fused' needs weights on a CUDA device, got {weights.device}")
+        self.weights = weights
+        self.num_experts, self.hidden_dim = weights.num_experts, weights.hidden
+        self.intermediate_dim = weights.intermediate
+        self.top_k, self.activation, self.backend = topk, activation, backend
+        self.check_ids = check_ids
+        self.layer = None
+        if backend == "fused":
+            from ..layer import MoELayer  # local: the CPU path never imports the DSL
+
+            self.layer = MoELayer(weights, topk=topk, capacity=capacity, act_dtype=act_dtype,
+                                  out_dtype=torch.float32, activation=activation,
+                                  **layer_options)
+
+    def extra_repr(self) -> str:
+        w = self.weights
+        return (f"experts={w.num_experts}, hidden={w.hidden}, intermediate={w.intermediate}, "
+                f"top_k={self.top_k}, K={w.bits}, codebook={w.codebook}, "
+                f"activation={self.activation}, backend={self.backend}")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_dim:
+            raise ValueError(f"hidden_states must be [tokens, {self.hidden_dim}], got "
+                             f"{tuple(hidden_states.shape)}")
+        t = hidden_states.shape[0]
+        for name, v in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
+            if tuple(v.shape) != (t, self.top_k):
+                raise ValueError(f"{name} must be [{t}, {self.top_k}], got {tuple(v.shape)}")
+        ids = top_k_index.to(torch.int32)
+        wts = top_k_weights.to(torch.float32)
+        if self.layer is None:
+            y = reference_moe(hidden_states, ids, wts, self.weights, activation=self.activation,
+                              dtype=torch.float32)
+            return y.to(hidden_states.dtype)
+        out = torch.empty_like(hidden_states)
+        if t == 0:
+            return out
+        x = hidden_states.to(self.layer.act_dtype)
+        cap = self.layer.capacity
+        # Capture-safe: MoELayer skips its id check (a host read) while capturing.
+        check = None if self.check_ids else False
+        for s in range(0, t, cap):
+            e = min(t, s + cap)
+            y = self.layer(_aligned(x[s:e]), _aligned(ids[s:e]), _aligned(wts[s:e]),
+                           check_ids=check)
+            out[s:e].copy_(y)
+        return out
+
+
+def replace_experts(model: nn.Module, experts: Mapping[str, MoEWeights], *,
+                    backend: str = "auto", capacity: int = 1024,
+                    act_dtype: Optional[torch.dtype] = None, check_ids: bool = True,
+                    **layer_options: Any) -> list[str]:
+    """Swap the routed experts of every block named in ``experts`` for a
+    :class:`TrellisExperts`; returns the replaced module paths.
+
+    Every supported block of the model must be covered (a half-quantized model is refused:
+    pass ``experts`` for all of :func:`find_moe_blocks`' blocks). ``act_dtype`` (fused
+    only) defaults to the model dtype when it is bf16 / fp16, else bf16; ``layer_options``
+    go to :class:`kquant_cute.layer.MoELayer` (e.g. ``banded=True``).
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend {backend!r} not in {_BACKENDS}")
+    blocks = {b.experts_name: b for b in find_moe_blocks(model)}
+    _check_names(blocks, experts)
+    missing = sorted(set(blocks) - set(experts))
+    if missing:
+        raise ValueError(f"no quantized experts for {', '.join(missing)}")
+    for name, w in experts.items():
+        b = blocks[name]
+        if b.replaced:
+            raise ValueError(f"{name} is already replaced")
+        _check_geometry(b, w)
+    done = []
+    for name, w in experts.items():
+        b = blocks[name]
+        dtype = act_dtype
+        if dtype is None:
+            p = b.experts.gate_up_proj.dtype
+            dtype = p if p in (torch.bfloat16, torch.float16) else torch.bfloat16
+        new = TrellisExperts(w, b.topk, activation=b.activation, backend=backend,
+                             capacity=capacity, act_dtype=dtype, check_ids=check_ids,
+                             **layer_options)
+        b.block.experts = new
+        done.append(name)
+    return done
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The forward keyword of the KV cache: ``cache`` (transformers >= 5.2x) or
+    ``past_key_values`` (earlier)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def iter_experts(model: nn.Module) -> Iterable[TrellisExperts]:
+    """The model's :class:`TrellisExperts` modules."""
+    return (m for m in model.modules() if isinstance(m, TrellisExperts))
