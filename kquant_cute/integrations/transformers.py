@@ -194,7 +194,7 @@ def dense_projections(experts: nn.Module) -> dict[str, torch.Tensor]:
     """Views of an original experts module's weights in the ``y = x @ W`` orientation:
     ``gate``, ``up`` [E, H, I] and ``down`` [E, I, H] (no copies)."""
     _, _, i, _ = _experts_geometry(type(experts).__name__, experts)
-    gate_up, down = experts.gate_up_proj, experts.down_proj
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
     if getattr(experts, "is_transposed", False):
         return {"gate": gate_up[:, :, :i], "up": gate_up[:, :, i:], "down": down}
     return {"gate": gate_up[:, :i, :].transpose(1, 2), "up": gate_up[:, i:, :].transpose(1, 2),
