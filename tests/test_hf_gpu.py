@@ -51,10 +51,10 @@ def _model(kind, seed=0):
     with torch.no_grad():
         # Experts at unit gain (their output is a real part of the residual stream, as in
         # trained models), decisive routers and logits. At the default router init (std
-        # 0.02) routing scores sit near ties: on the H200 (2026-12-01) one DeepSeek-V3 token
-        # whose group choice flipped in layer 1 alone made a 4e-2 logits error, and a 1e-3
-        # perturbation of layer 0's output does the same on the CPU. The check is meant
-        # to measure the kernel's numerics, not the odds of a near-tie.
+        # 0.02) routing scores sit near ties: one DeepSeek-V3 token whose group choice flips
+        # in layer 1 alone makes a 4e-2 logits error, and a 1e-3 perturbation of layer 0's
+        # output is enough to flip one (docs/integration.md). The check is meant to
+        # measure the kernel's numerics, not the odds of a near-tie.
         for b in kqt.find_moe_blocks(model):
             b.experts.gate_up_proj.normal_(0, H ** -0.5)
             b.experts.down_proj.normal_(0, I ** -0.5)
