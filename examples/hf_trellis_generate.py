@@ -8,6 +8,9 @@ experts and with the trellis experts and prints prefill / decode tokens/s and ho
 generated tokens agree.
 
     python examples/hf_trellis_generate.py [--bits 4] [--codebook mcg] [--arch qwen3_moe]
+
+(On a CPU the Viterbi search takes seconds per matrix: shrink the model, e.g. --layers 1
+--experts 4 --topk 2 --hidden 128 --intermediate 128 --new-tokens 8.)
 """
 
 from __future__ import annotations
@@ -24,17 +27,20 @@ import transformers
 from kquant_cute.integrations import transformers as kqt
 
 
-def build(arch: str, device: str, dtype: torch.dtype):
-    common = dict(vocab_size=1024, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-                  intermediate_size=1024, max_position_embeddings=2048)
-    if arch == "qwen3_moe":
+def build(args, device: str, dtype: torch.dtype):
+    common = dict(vocab_size=1024, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                  num_attention_heads=8, intermediate_size=2 * args.hidden,
+                  max_position_embeddings=2048)
+    if args.arch == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(**common, num_key_value_heads=4, head_dim=64,
-                                          moe_intermediate_size=256, num_experts=16,
-                                          num_experts_per_tok=4, norm_topk_prob=True)
+                                          moe_intermediate_size=args.intermediate,
+                                          num_experts=args.experts, num_experts_per_tok=args.topk,
+                                          norm_topk_prob=True)
     else:
         cfg = transformers.DeepseekV3Config(
-            **common, num_key_value_heads=8, moe_intermediate_size=256, n_routed_experts=16,
-            n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+            **common, num_key_value_heads=8, moe_intermediate_size=args.intermediate,
+            n_routed_experts=args.experts, n_shared_experts=1, num_experts_per_tok=args.topk,
+            n_group=4, topk_group=2,
             first_k_dense_replace=1, kv_lora_rank=128, q_lora_rank=None, qk_rope_head_dim=32,
             qk_nope_head_dim=32, v_head_dim=64)
     torch.manual_seed(0)
@@ -44,6 +50,7 @@ def build(arch: str, device: str, dtype: torch.dtype):
         for b in kqt.find_moe_blocks(model):
             b.experts.gate_up_proj.normal_(0, b.hidden ** -0.5)
             b.experts.down_proj.normal_(0, b.intermediate ** -0.5)
+            b.block.gate.weight.normal_(0, 0.2)  # decisive routing (see docs/integration.md)
         model.lm_head.weight.normal_(0, 0.25)
     return model.eval()
 
@@ -75,13 +82,18 @@ def main():
     p.add_argument("--codebook", default="mcg")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=256)
     p.add_argument("--out", default=None, help="safetensors path (default: a temp file)")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     print(f"device {device}, transformers {transformers.__version__}")
 
-    model = build(args.arch, device, dtype)
+    model = build(args, device, dtype)
     blocks = kqt.find_moe_blocks(model)
     print(f"{len(blocks)} sparse MoE blocks ({type(blocks[0].block).__name__}): "
           f"E={blocks[0].num_experts} H={blocks[0].hidden} I={blocks[0].intermediate} "
