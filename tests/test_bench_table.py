@@ -70,3 +70,17 @@ def test_one_command_runs_the_extra_k_tables(monkeypatch, tmp_path):
     assert result["bits"] == 4 and [r["tokens"] for r in result["rows"]] == [16, 4096]
     assert result["codebook"] == "mcg"  # the BRIEF's codebook unless --codebook says otherwise
     assert sorted(result["extra"]) == ["2", "3"]
+
+
+def test_qsrt_table_ratios_and_bitwise_column():
+    import bench_qsrt  # noqa: E402 (imports bench_moe / peers: torch only, no GPU use)
+
+    row = {"tokens": 1536, "mcg_k4": 1.5, "mcg_k4_M": 32, "qsrt_k2_coupled": 3.0,
+           "qsrt_k2_coupled_M": 32, "peer": 6.0, "qsrt_k2_coupled_decode": 1.9,
+           "mcg_k4_decode": 0.8, "mcg_k4_bitwise": True, "qsrt_k2_coupled_bitwise": False}
+    lines = bench_qsrt.format_table([row, dict(row, qsrt_k2_coupled_bitwise=True)])
+    assert len({line.count("|") for line in lines}) == 1
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells == ["1,536", "1.500 (32)", "3.000 (32)", "2.00x", "6.000", "2.00x", "1.900",
+                     "0.800", "NO"]  # QSRT / mcg, peer / QSRT; one layer not bitwise: NO
+    assert lines[3].rstrip(" |").endswith("yes")
