@@ -2,7 +2,7 @@
 
     python benchmarks/decode_sass.py [--arch sm_90a] [--codebooks mcg 3inst mul1] [--bits 2 3 4 5 6]
 
-Cross-compiles `kernels/decode_ceiling.py` per (codebook, K), disassembles the cubin
+Cross-compiles the decode-only probe (`decode_probe.py`) per (codebook, K), disassembles the cubin
 (cuobjdump + nvdisasm from the nvidia-cuda-* wheels or CUDA_HOME) and counts the
 instructions of its main loop, which decodes 64 weights per thread per iteration (plus
 0.5 packed fp16 adds per weight for the checksum). Prints a markdown table: all
@@ -18,7 +18,6 @@ import collections
 import glob
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
@@ -42,25 +41,18 @@ def loop_opcodes(sass: str) -> collections.Counter:
     return collections.Counter(op for off, op, _ in ops if lo <= off <= hi)
 
 
-def _tool_env(cuobjdump: str) -> dict:
-    env = dict(os.environ)
-    here = os.path.dirname(cuobjdump)
-    nvdisasm = glob.glob(os.path.join(os.path.dirname(os.path.dirname(here)), "*", "bin", "nvdisasm"))
-    env["PATH"] = os.pathsep.join([here] + [os.path.dirname(p) for p in nvdisasm] + [env["PATH"]])
-    return env
-
-
 def main(argv=None) -> int:
-    from kquant_cute.kernels.build import compile_decode, find_cuobjdump
+    from decode_probe import compile_decode
+
+    from kquant_cute.kernels.build import dump_sass, find_cuobjdump, find_nvdisasm
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="sm_90a")
     p.add_argument("--codebooks", nargs="+", default=["mcg", "3inst", "mul1"])
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 5, 6])
     a = p.parse_args(argv)
-    exe = find_cuobjdump()
-    if exe is None:
-        print("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    if find_cuobjdump() is None or find_nvdisasm() is None:
+        print("cuobjdump or nvdisasm not found (pip install -e \".[test]\")")
         return 2
     print("| codebook | K | loop instructions / 64 weights | per weight | ALU per weight | top opcodes |")
     print("|---|---|---|---|---|---|")
@@ -70,8 +62,7 @@ def main(argv=None) -> int:
                 compile_decode(k_dim=3584, n_dim=384, bits=bits, codebook=cb, arch=a.arch,
                                min_ctas_per_sm=8, cubin_dir=tmp)
                 (cubin,) = glob.glob(os.path.join(tmp, "*.cubin"))
-                sass = subprocess.run([exe, "-sass", cubin], check=True, capture_output=True,
-                                      text=True, env=_tool_env(exe)).stdout
+                sass = dump_sass(cubin)
             ops = loop_opcodes(sass)
             total = sum(ops.values())
             alu = sum(n for op, n in ops.items() if op.split(".")[0] in ALU_OPS)

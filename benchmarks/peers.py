@@ -4,7 +4,7 @@
   rotations into dense bf16 experts) through `torch._grouped_mm`, graph-capturable: routes
   sorted by expert on the GPU, three grouped GEMMs, router-weighted scatter-add.
 - `DecodeCeiling`: the measured decode-only ceiling: the decode-only kernel
-  (`kernels/decode_ceiling.py`) over the touched experts of all three projections,
+  (`decode_probe.py`) over the touched experts of all three projections,
   graph-replayed.
 - `measure_copy_bandwidth()`, `measure_bf16_matmul_rate()`: the ceilings the floors use.
 - `random_tokens`, `capture`, `graph_median_ms`: the benchmarks' inputs and graph timing.
@@ -89,7 +89,7 @@ class DecodeCeiling:
 
     def __init__(self, weights, *, ctas_per_sm: int = 8, mma_rows: int = 0,
                  decode: bool = True):
-        from kquant_cute.kernels.build import compile_decode
+        from decode_probe import compile_decode
 
         arch = "sm_%d%da" % torch.cuda.get_device_capability()
         w = weights

@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {m['key'][:16]}  CORRUPT  {m.get('error', '')}")
             continue
         extra = m.get("extra") or {}
-        res = " ".join(f"{k}={extra[k]}" for k in ("registers", "smem_bytes", "smem") if k in extra)
+        res = " ".join(f"{k}={extra[k]}" for k in ("registers", "shared_bytes", "spill_bytes") if k in extra)
         spec = json.dumps(m.get("spec"), sort_keys=True, separators=(",", ":"))
         print(
             f"  {m['key'][:16]}  {m.get('name')}  {m.get('arch')}  {_fmt_bytes(m['payload']['size'])}"

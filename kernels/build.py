@@ -22,7 +22,6 @@ import time
 from dataclasses import asdict, dataclass
 
 from .moe import ARG_NAMES, MoEForward, MoESpec, dsl_dtype
-from .trellis_gemm import DEFAULT_STAGES
 
 OBJECT_PREFIX = "kq_forward"
 _RES_RE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
@@ -46,24 +45,46 @@ def short_kernel_name(raw: str) -> str:
     return raw[:48]
 
 
-def find_cuobjdump() -> str | None:
-    """cuobjdump from PATH, CUDA_HOME, or the nvidia-cuda-cuobjdump wheel."""
-    exe = shutil.which("cuobjdump")
+def _find_tool(tool: str) -> str | None:
+    """`tool` from PATH, CUDA_HOME / CUDA_PATH / /usr/local/cuda, or an nvidia-cuda-* wheel."""
+    exe = shutil.which(tool)
     if exe:
         return exe
     for root in filter(None, (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda")):
-        cand = os.path.join(root, "bin", "cuobjdump")
+        cand = os.path.join(root, "bin", tool)
         if os.access(cand, os.X_OK):
             return cand
     try:
         import nvidia  # namespace package of the NVIDIA wheels
         for base in nvidia.__path__:
-            for cand in sorted(glob.glob(os.path.join(base, "*", "bin", "cuobjdump"))):
+            for cand in sorted(glob.glob(os.path.join(base, "*", "bin", tool))):
                 if os.access(cand, os.X_OK):
                     return cand
     except ImportError:
         pass
     return None
+
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump (resource usage of a cubin; the nvidia-cuda-cuobjdump dependency)."""
+    return _find_tool("cuobjdump")
+
+
+def find_nvdisasm() -> str | None:
+    """nvdisasm, which `cuobjdump -sass` runs (the nvidia-cuda-nvdisasm test extra)."""
+    return _find_tool("nvdisasm")
+
+
+def dump_sass(cubin_path: str) -> str:
+    """The SASS of every kernel in a cubin (`cuobjdump -sass`, with nvdisasm on its PATH)."""
+    exe, nvdisasm = find_cuobjdump(), find_nvdisasm()
+    if exe is None or nvdisasm is None:
+        missing = " and ".join(n for n, p in (("cuobjdump", exe), ("nvdisasm", nvdisasm)) if p is None)
+        raise RuntimeError(f"{missing} not found (pip install -e \".[test]\", or set CUDA_HOME)")
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([os.path.dirname(nvdisasm), env.get("PATH", "")])
+    return subprocess.run([exe, "-sass", cubin_path], check=True, capture_output=True,
+                          text=True, env=env).stdout
 
 
 def read_resources(cubin_path: str, dynamic_smem: dict | None = None) -> list[KernelResources]:
@@ -134,7 +155,7 @@ def _load_runtime_globally() -> None:
     _RUNTIME_LOADED = True
 
 
-def _compile_measured(fn, args, arch: str, dynamic_smem: dict, cubin_dir: str | None = None):
+def compile_measured(fn, args, arch: str, dynamic_smem: dict, cubin_dir: str | None = None):
     """`cute.compile(fn, *args)` for `arch`, keeping the cubin (in `cubin_dir`, else a
     temporary directory) long enough to read its resources; returns (compiled, resources,
     compile seconds). Resources are empty when cuobjdump is missing."""
@@ -158,7 +179,7 @@ def compile_forward(spec: MoESpec) -> tuple[bytes, dict]:
     if reason is not None:
         raise ValueError(f"cannot compile {spec.kernel_name()}: {reason}")
     _load_runtime_globally()
-    compiled, resources, seconds = _compile_measured(MoEForward(spec), fake_args(spec), spec.arch,
+    compiled, resources, seconds = compile_measured(MoEForward(spec), fake_args(spec), spec.arch,
                                                      spec.dynamic_smem())
     obj = compiled.dump_to_object(OBJECT_PREFIX)
     meta = {"compile_seconds": round(seconds, 3), **resource_summary(resources),
@@ -183,37 +204,3 @@ class LoadedForward:
 
     def __call__(self, *args):
         return self.fn(*args)
-
-
-def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: str = "sm_90a",
-                   stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1, mma_rows: int = 0,
-                   decode: bool = True, cubin_dir: str | None = None):
-    """Cross-compile the decode-only kernel (`kernels.decode_ceiling`) for one projection
-    shape; returns (the JIT-compiled callable, its measured resources). The callable takes
-    (trellis, experts, out, table) pointers, the expert count, the device's SM count and a
-    stream; it runs only where `arch` matches the GPU. `cubin_dir` keeps the cubin there
-    (for SASS reading). Table codebooks run SMs x (CTAs that fit by shared memory, at most
-    `min_ctas_per_sm`) persistent CTAs, each staging the table once."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
-    from .decode_ceiling import TrellisDecode
-
-    from .trellis_gemm import SMEM_RESERVED_PER_CTA, table_bytes
-
-    ctas = 1
-    if table_bytes(codebook):
-        per_sm = cutlass.memory.get_smem_capacity_in_bytes(arch.removesuffix("a")) + SMEM_RESERVED_PER_CTA
-        need = TrellisDecode.smem(bits, stages, codebook) + SMEM_RESERVED_PER_CTA
-        ctas = min_ctas_per_sm = max(1, min(min_ctas_per_sm, per_sm // need))
-    probe = TrellisDecode(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
-                          stages=stages, min_ctas_per_sm=min_ctas_per_sm, mma_rows=mma_rows,
-                          decode=decode, ctas_per_sm=ctas)
-    args = [make_ptr(dt, 256, cute.AddressSpace.gmem, assumed_align=16)
-            for dt in (cutlass.Int16, cutlass.Int32, cutlass.Uint32, cutlass.Uint8)]
-    compiled, resources, _ = _compile_measured(
-        probe, [*args, cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0)], arch,
-        {"TrellisDecode": probe.smem_bytes}, cubin_dir)
-    return compiled, resources

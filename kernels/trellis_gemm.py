@@ -36,7 +36,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from kquant_cute import trellis as fmt
+from . import format as fmt
 
 from . import ptx
 

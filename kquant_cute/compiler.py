@@ -34,7 +34,6 @@ from .planners.plans import PlanPairLayout, plan_pair_layout
 from .planners.policy import ROUTE_BLOCK_SIZES, select_route_block_size_m
 
 KERNEL_NAME = "w4a16_trellis_moe"
-_PKG_ROOT = os.path.dirname(os.path.abspath(__file__))
 # Threads per block of each kernel in the object (for the register-file check).
 KERNEL_THREADS = {"TrellisGemm": 128, "RoutePack": 1024, "RotateInput": 128,
                   "MidActivation": 128, "CombineOutput": 128}
@@ -61,16 +60,13 @@ def kernel_threads(spec: MoESpec, kernel: str) -> int:
 
 
 def source_files() -> list[str]:
-    """Files whose bytes key the cache: the kernels, the planners, the format constants."""
+    """Files whose bytes key the cache: the kernel package alone (the kernels, their format
+    constants, the launch contract and the compile step in `kernels/build.py`). The
+    planners and this module only choose which specializations to build, so editing the
+    route policy or the plan leaves every compiled object valid."""
     import kquant_cute.kernels as kernels_pkg
-    import kquant_cute.planners as planners_pkg
 
-    files = []
-    for pkg in (kernels_pkg, planners_pkg):
-        files += sorted(glob.glob(os.path.join(os.path.dirname(pkg.__file__), "*.py")))
-    files.append(os.path.join(_PKG_ROOT, "trellis.py"))
-    files.append(os.path.abspath(__file__))
-    return files
+    return sorted(glob.glob(os.path.join(os.path.dirname(kernels_pkg.__file__), "*.py")))
 
 
 @dataclass

@@ -71,7 +71,8 @@ class Counter:
 
     def __init__(self, payload: bytes = b"\x7fELF-fake-object", extra: dict | None = None) -> None:
         self.payload = payload
-        self.extra = {"registers": 40, "smem_bytes": 1024} if extra is None else extra
+        # The keys kernels/build.py's compile_forward writes (resource_summary).
+        self.extra = {"registers": 40, "shared_bytes": 1024, "spill_bytes": 0} if extra is None else extra
         self.builds = 0
         self.loads: list[str] = []
 
@@ -203,7 +204,7 @@ def test_build_then_memory_then_disk(tmp_path: Path) -> None:
     assert r1.status == "compiled" and c.builds == 1
     assert r1.value[0] == c.payload
     meta = r1.meta
-    assert meta["extra"] == {"registers": 40, "smem_bytes": 1024}
+    assert meta["extra"] == {"registers": 40, "shared_bytes": 1024, "spill_bytes": 0}
     assert meta["name"] == "gemm" and meta["arch"] == ARCH and meta["spec"] == {"bm": 128, "bn": 64}
     assert meta["compile_seconds"] >= 0 and meta["created"] <= time.time()
     assert meta["components"]["versions"] == cc_keys.toolchain_versions()
@@ -555,6 +556,11 @@ def test_entries_clear_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert cli_main(["--dir", str(tmp_path), "--list"]) == 0
     out = capsys.readouterr().out
     assert "3 entries" in out and "CORRUPT" in out and "gemm" in out and "registers=40" in out
+    assert "shared_bytes=1024" in out and "spill_bytes=0" in out
+    # ... which are the keys the real build writes.
+    from kquant_cute.kernels.build import resource_summary
+
+    assert {"registers", "shared_bytes", "spill_bytes"} <= set(resource_summary([]))
     assert cli_main(["--dir", str(tmp_path), "--info", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["disk_entries"] == 3
 

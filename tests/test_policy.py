@@ -318,8 +318,8 @@ def test_planners_import_without_torch():
         "    return real(name, *a, **k)\n"
         "builtins.__import__ = guard\n"
         "import kquant_cute.planners as p\n"
-        "assert p.__doc__.splitlines()[0] == "
-        "'Route-size policy, per-SM geometry model and the decode / prefill plans (pure Python).'\n"
         "assert p.select_route_block_size_m(1536, 16, 896) == 32\n"
+        "assert p.arch_limits('sm_90a').smem_per_block_optin == 232448\n"
+        "assert not {'torch', 'cutlass', 'numpy'} & {m.split('.')[0] for m in sys.modules}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,6 +1,8 @@
-"""Decode-only trellis kernel: the measured decode ceiling of the fused GEMM (benchmarks).
+"""Decode-only trellis kernel: the measured decode ceiling of the fused GEMM (benchmark probe).
 
-Owns `TrellisDecode`. For every listed expert and 128-column N tile of one projection, a
+Owns `TrellisDecode`, its cross-compile `compile_decode` and its host model
+`reference_checksum`; used by `peers.DecodeCeiling`, `overlap_probe.py` and
+`decode_sass.py`, never by the shipped forward. For every listed expert and 128-column N tile of one projection, a
 CTA streams the expert's trellis words through the same cp.async ring as `TrellisGemm`
 (`issue_b`) and decodes every weight with the same `decode_lane_tile` into the same half2
 B registers. Instead of feeding mma.sync it folds them with packed fp16 adds (FMA pipe)
@@ -23,10 +25,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
-from . import ptx
-from .trellis_gemm import (DEFAULT_STAGES, K_STEPS_PER_STAGE, TABLE_BYTES, THREADS,
-                           TrellisGemm, b_stage_bytes, lane_words, persistent_grid, stage_table,
-                           table_bytes)
+from kquant_cute.kernels import ptx
+from kquant_cute.kernels.trellis_gemm import (DEFAULT_STAGES, K_STEPS_PER_STAGE, TABLE_BYTES,
+                                              THREADS, TrellisGemm, b_stage_bytes, lane_words,
+                                              persistent_grid, stage_table, table_bytes)
 
 
 class TrellisDecode:
@@ -182,3 +184,36 @@ def reference_checksum(trellis, experts, codebook: str):
     words = bits16[..., 0] | (bits16[..., 1] << 16)  # [X, nt, warp, lane, pair]
     out = words[..., 0] ^ words[..., 1] ^ words[..., 2] ^ words[..., 3]
     return out.reshape(-1)  # int64 holding the uint32 words
+
+
+def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: str = "sm_90a",
+                   stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1, mma_rows: int = 0,
+                   decode: bool = True, cubin_dir: str | None = None):
+    """Cross-compile the decode-only kernel (`TrellisDecode`) for one projection
+    shape; returns (the JIT-compiled callable, its measured resources). The callable takes
+    (trellis, experts, out, table) pointers, the expert count, the device's SM count and a
+    stream; it runs only where `arch` matches the GPU. `cubin_dir` keeps the cubin there
+    (for SASS reading). Table codebooks run SMs x (CTAs that fit by shared memory, at most
+    `min_ctas_per_sm`) persistent CTAs, each staging the table once."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from kquant_cute.kernels.build import compile_measured
+    from kquant_cute.kernels.trellis_gemm import SMEM_RESERVED_PER_CTA
+
+    ctas = 1
+    if table_bytes(codebook):
+        per_sm = cutlass.memory.get_smem_capacity_in_bytes(arch.removesuffix("a")) + SMEM_RESERVED_PER_CTA
+        need = TrellisDecode.smem(bits, stages, codebook) + SMEM_RESERVED_PER_CTA
+        ctas = min_ctas_per_sm = max(1, min(min_ctas_per_sm, per_sm // need))
+    probe = TrellisDecode(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
+                          stages=stages, min_ctas_per_sm=min_ctas_per_sm, mma_rows=mma_rows,
+                          decode=decode, ctas_per_sm=ctas)
+    args = [make_ptr(dt, 256, cute.AddressSpace.gmem, assumed_align=16)
+            for dt in (cutlass.Int16, cutlass.Int32, cutlass.Uint32, cutlass.Uint8)]
+    compiled, resources, _ = compile_measured(
+        probe, [*args, cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0)], arch,
+        {"TrellisDecode": probe.smem_bytes}, cubin_dir)
+    return compiled, resources
