@@ -7,7 +7,8 @@ Owns the bridge between `MoESpec` and the CuTe DSL toolchain:
   (registers, stack/local bytes = spills, static shared memory), read from the cubin with
   `cuobjdump --dump-resource-usage`.
 - `load_forward(path, spec)`: loads such an object into this process (needs a GPU).
-- `resource_verdict(...)`: turns measured resources into a rejection reason or None.
+- `find_cuobjdump` / `find_nvdisasm` / `dump_sass`: the CUDA binary tools, from PATH,
+  CUDA_HOME or the nvidia-cuda-* wheels.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from .moe import ARG_NAMES, MoEForward, MoESpec, dsl_dtype
+from .launch import ARG_NAMES
+from .moe import MoEForward, MoESpec, dsl_dtype
 
 OBJECT_PREFIX = "kq_forward"
 _RES_RE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
@@ -37,12 +39,16 @@ class KernelResources:
     local: int
 
 
+# The DSL names a compiled kernel after its module path, class and argument types:
+# "kernel_cutlass_kernel_<module path><Class>_object_at_<types>_<n>".
+_CLASS_RE = re.compile(r"([A-Z][A-Za-z0-9]*)_object_at_")
+
+
 def short_kernel_name(raw: str) -> str:
-    """The kernel class a compiled (mangled) kernel name belongs to, e.g. "TrellisWgmma"."""
-    for key in ("TrellisGemm", "TrellisWgmma", "TrellisDecode", "RoutePack", "RotateInput", "MidActivation", "CombineOutput"):
-        if key in raw:
-            return key
-    return raw[:48]
+    """The kernel class a compiled (mangled) kernel name belongs to, e.g. "TrellisWgmma"
+    (the names `MoESpec.sub_kernels()` lists); the raw name's start if it has none."""
+    m = _CLASS_RE.search(raw)
+    return m.group(1) if m else raw[:48]
 
 
 def _find_tool(tool: str) -> str | None:

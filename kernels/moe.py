@@ -1,10 +1,11 @@
 """The fused W4A16 trellis MoE forward: one JIT specialization = one compiled object.
 
-Owns `MoESpec` (the compile-time key of a specialization), its validity predicate
-`MoESpec.check()` (static reasons: sizes, alignment, shared memory of the route pack,
-32-bit index range), the argument order of the compiled entry point (`ARG_NAMES`), and
-`MoEForward`, the `@cute.jit` host function that launches, on one stream with no host
-synchronisation and no allocation:
+Owns `MoESpec` (the compile-time key of a specialization, "auto" values resolved when it
+is made), its validity predicate `MoESpec.check()` (the spec's static reasons, then each
+sub-kernel's `can_implement`), the list of its device kernels (`MoESpec.sub_kernels()`,
+which resource measurement and the geometry check iterate), and `MoEForward`, the
+`@cute.jit` host function that launches, on one stream with no host synchronisation and
+no allocation:
 
   route pack (M) -> input rotation (gate, up) -> trellis GEMM gate -> trellis GEMM up
   -> FC1 output rotation + activation + FC2 input rotation -> trellis GEMM down
@@ -17,6 +18,8 @@ not coupled).
 
 Every pointer argument is a raw device address and every size a 32-bit integer, so an
 object compiled on a CPU-only machine has the same C ABI as a JIT compile on the GPU.
+The arguments, their order and the scratch buffers are the launch contract of
+`kernels/launch.py`.
 Token count, routed experts and the grid (from the plan's block bound) are run-time values.
 `codebook_table` is the codebook's state table (sqg_e4m3: uint8 [65536] from
 `kquant_cute.trellis.sqg_state_table(bits)`; any valid address for the other codebooks)
@@ -26,15 +29,16 @@ and `sm_count` the device's SMs (the table codebooks' GEMMs run a persistent gri
 from __future__ import annotations
 
 import dataclasses
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
 
-from .rotate import ACTIVATIONS, CombineOutput, MidActivation, RotateInput
+from .arch import arch_limits, mma_archs
+from .launch import ARG_NAMES, ROUTE_BLOCK_SIZES  # noqa: F401 - ARG_NAMES: the entry point's order
+from .rotate import CombineOutput, MidActivation, RotateInput
 from .route_pack import RoutePack
 from .trellis_gemm import (DEFAULT_STAGES, MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA,
                            TABLE_CODEBOOKS, TrellisGemm, smem_bytes as gemm_smem_bytes)
@@ -42,9 +46,6 @@ from .trellis_wgmma import TrellisWgmma, check_span, default_span, smem_bytes as
 
 ACT_DTYPES = ("bfloat16", "float16")
 MMA_KINDS = ("auto", "sync", "wgmma")
-WGMMA_ARCH = "sm_90a"
-#: Archs without `cvt.rn.f16x2.e4m3x2` (sm_89 and later have it): no sqg_e4m3 decode.
-NO_E4M3_CVT_ARCHS = ("sm_80", "sm_86")
 OUT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_TOPK = 64
 INDEX_LIMIT = 2**31 - 1
@@ -54,27 +55,25 @@ _DSL_DTYPES = {
     "int32": cutlass.Int32, "int16": cutlass.Int16, "uint8": cutlass.Uint8,
 }
 
-# Entry-point arguments, in order: (name, dtype of the pointee) for pointers, (name, None)
-# for Int32 scalars. The stream comes last.
-ARG_NAMES = (
-    ("x", "act"), ("topk_ids", "int32"), ("topk_weights", "float32"), ("expert_map", "int32"),
-    ("gate_trellis", "int16"), ("up_trellis", "int16"), ("down_trellis", "int16"),
-    ("gate_suh", "float16"), ("up_suh", "float16"), ("gate_svh", "float16"),
-    ("up_svh", "float16"), ("down_suh", "float16"), ("down_svh", "float16"),
-    ("pre_signs", "float16"), ("post_signs", "float16"),
-    ("codebook_table", "uint8"),
-    ("sorted_routes", "int32"), ("block_expert", "int32"), ("num_padded", "int32"),
-    ("expert_offsets", "int32"), ("expert_counts", "int32"),
-    ("xg", "float16"), ("xu", "float16"), ("g", "float32"), ("u", "float32"),
-    ("a2", "float16"), ("y", "float32"), ("out", "out"),
-    ("m", None), ("max_blocks", None), ("rows_cap", None), ("routes_cap", None),
-    ("sm_count", None),
-)
+
+def _resolve(mma: str, span: int, block_m: int, arch: str) -> tuple[str, int]:
+    """`mma` "auto" -> wgmma where the arch table lists it for this DSL target (sm_90a),
+    else mma.sync; `span` 0 -> `default_span(block_m)` under wgmma, 1 under mma.sync.
+    Values that are not resolvable are left for `MoESpec.check` to report."""
+    if mma == "auto":
+        mma = "wgmma" if arch in mma_archs("wgmma") else "sync"
+    if span == 0 and mma in ("sync", "wgmma") and isinstance(block_m, int):
+        span = default_span(block_m) if mma == "wgmma" else 1
+    return mma, span
 
 
 @dataclass(frozen=True)
 class MoESpec:
-    """Compile-time key of one fused-forward specialization."""
+    """Compile-time key of one fused-forward specialization.
+
+    `mma="auto"` and `span=0` are requests: they are resolved when the spec is made (the
+    fields hold the concrete values), and `replace` resolves them again from the request,
+    so a spec moved to another block size or arch gets that one's defaults."""
 
     num_experts: int
     hidden: int
@@ -89,14 +88,14 @@ class MoESpec:
     shared_hidden_vectors: bool = False
     has_expert_map: bool = False
     stages: int = DEFAULT_STAGES
-    #: GEMM register target in CTAs per SM (nvvm.minctasm): 1 = none (the default; on the
-    #: H200 a target measured no faster), 0 = as many as shared memory allows
-    #: (`TrellisGemm.occupancy_target`), n = n.
+    #: GEMM register target in CTAs per SM (nvvm.minctasm): 1 = none (the default; a
+    #: target measured no faster on the H200, docs/benchmarks.md), 0 = as many as shared
+    #: memory allows (`TrellisGemm.occupancy_target`), n = n.
     occupancy: int = 1
     #: GEMM instruction: "sync" (mma.sync, every arch), "wgmma" (sm_90a only: decoded
-    #: weights as the register A operand of async wgmma, see trellis_wgmma) or "auto" (the
-    #: faster one measured on the H200, 2026-11-30, docs/benchmarks.md entry 22: wgmma on
-    #: sm_90a, else sync).
+    #: weights as the register A operand of async wgmma, see trellis_wgmma) or "auto"
+    #: (wgmma where the arch table offers it, else sync: the faster one on the H200, see
+    #: docs/benchmarks.md).
     mma: str = "auto"
     #: wgmma only: route blocks of one expert per work item (rows = span x block_m <= 128),
     #: so an expert's weights are decoded once per N tile for up to that many rows; 0 =
@@ -106,26 +105,31 @@ class MoESpec:
     #: QSRT coupled transforms (H512 on the latent axis, signed H128 around the activation,
     #: FC1 slots interleaved per 32-channel atom); needs shared hidden-side vectors.
     coupled: bool = False
+    #: (mma, span) as asked for, before resolution (not part of the key or of equality).
+    requested: tuple = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "requested", (self.mma, self.span))
+        mma, span = _resolve(self.mma, self.span, self.block_m, self.arch)
+        object.__setattr__(self, "mma", mma)
+        object.__setattr__(self, "span", span)
 
     def resolved(self) -> "MoESpec":
-        """This spec with `mma` and `span` made concrete for its arch ("auto" / 0 resolved).
-        The compiled object, its name and its cache key are those of the resolved spec."""
-        mma = self.mma
-        if mma == "auto":
-            mma = "wgmma" if self.arch == WGMMA_ARCH else "sync"
-        span = self.span
-        if span == 0 and mma in ("sync", "wgmma"):
-            span = default_span(self.block_m) if mma == "wgmma" else 1
-        if (mma, span) == (self.mma, self.span):
-            return self
-        return dataclasses.replace(self, mma=mma, span=span)
+        """This spec (specs are resolved when they are made; kept for callers)."""
+        return self
+
+    def key_fields(self) -> dict:
+        """The fields that identify the compiled object (every field but `requested`)."""
+        d = dataclasses.asdict(self)
+        d.pop("requested")
+        return d
 
     def check(self, smem_limit: int | None = None) -> str | None:
-        """None when this specialization can be built, else the reason (static checks)."""
-        if self.mma not in MMA_KINDS:
+        """None when this specialization can be built, else the reason: the spec's own
+        static checks, then every sub-kernel's `can_implement` (with `smem_limit`, the
+        per-block shared memory of the target, when given)."""
+        if self.mma not in MMA_KINDS[1:]:
             return f"mma {self.mma!r} not in {MMA_KINDS}"
-        if isinstance(self.block_m, int) and (self.mma == "auto" or self.span == 0):
-            return self.resolved().check(smem_limit)
         for name in ("num_experts", "hidden", "intermediate", "topk", "bits", "block_m"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -137,8 +141,8 @@ class MoESpec:
             return f"act_dtype {self.act_dtype!r} not in {ACT_DTYPES}"
         if self.out_dtype not in OUT_DTYPES:
             return f"out_dtype {self.out_dtype!r} not in {OUT_DTYPES}"
-        if self.mma == "wgmma" and self.arch != WGMMA_ARCH:
-            return f"mma 'wgmma' needs {WGMMA_ARCH}, not {self.arch}"
+        if self.mma == "wgmma" and self.arch not in mma_archs("wgmma"):
+            return f"mma 'wgmma' needs {' or '.join(mma_archs('wgmma'))}, not {self.arch}"
         if not isinstance(self.span, int) or isinstance(self.span, bool) or self.span < 0:
             return f"span must be an int >= 0, got {self.span!r}"
         if self.span != 1:
@@ -147,8 +151,6 @@ class MoESpec:
             reason = check_span(self.block_m, self.span)
             if reason is not None:
                 return reason
-        if self.activation not in ACTIVATIONS:
-            return f"activation {self.activation!r} not in {ACTIVATIONS}"
         if self.topk > MAX_TOPK:
             return f"topk {self.topk} > {MAX_TOPK}"
         if self.coupled:
@@ -156,43 +158,90 @@ class MoESpec:
                 return "coupled transforms need shared hidden-side vectors"
             if self.hidden % 512:
                 return f"coupled transforms need hidden % 512 == 0 (H512), got {self.hidden}"
-        if self.codebook == "sqg_e4m3" and self.arch in NO_E4M3_CVT_ARCHS:
+        limits = self.arch_limits()
+        if self.codebook == "sqg_e4m3" and limits is not None and not limits.cvt_e4m3:
             return (f"codebook 'sqg_e4m3' needs cvt.rn.f16x2.e4m3x2 (sm_89 or later), "
                     f"not {self.arch}")
-        for k_dim, n_dim in ((self.hidden, self.intermediate), (self.intermediate, self.hidden)):
-            reason = TrellisGemm.can_implement(block_m=self.block_m, k_dim=k_dim, n_dim=n_dim,
-                                               bits=self.bits, codebook=self.codebook,
-                                               stages=self.stages, smem_limit=smem_limit)
+        if self.occupancy == 0 and limits is None:
+            return f"occupancy 0 needs a known arch, not {self.arch!r}"
+        for sub in self.sub_kernels():
+            reason = sub.check(smem_limit)
             if reason is not None:
                 return reason
         words = self.num_experts * self.hidden * self.intermediate * self.bits // 32
         if words > INDEX_LIMIT:
             return f"one projection holds {words:,} 32-bit words > 2^31 - 1 (32-bit indexing)"
-        if smem_limit is not None and RoutePack.smem_bytes(self.num_experts) > smem_limit:
-            return (f"route pack needs {RoutePack.smem_bytes(self.num_experts):,} B shared "
-                    f"memory > {smem_limit:,} B limit of {self.arch}")
         return None
+
+    def arch_limits(self):
+        """The arch table's entry for `arch`, or None for an arch it does not list."""
+        try:
+            return arch_limits(self.arch)
+        except ValueError:
+            return None
+
+    def sub_kernels(self) -> tuple["SubKernel", ...]:
+        """The device kernels `MoEForward` launches, in launch order (the GEMMs once per
+        projection shape: gate and up share `gemm1`). Resource measurement and the
+        geometry check iterate this list; nothing else names the kernels."""
+        per_route = not self.shared_hidden_vectors
+        gemm, extra = TrellisGemm, {}
+        if self.mma == "wgmma":
+            gemm, extra = TrellisWgmma, {"span": self.span}
+        if self.codebook in TABLE_CODEBOOKS:  # persistent grid: SMs x resident CTAs
+            extra["ctas_per_sm"] = self.gemm_resident_ctas()
+        common = dict(block_m=self.block_m, bits=self.bits, codebook=self.codebook,
+                      topk=self.topk, stages=self.stages,
+                      min_ctas_per_sm=self.gemm_ctas_per_sm(), **extra)
+        return (
+            SubKernel("pack", RoutePack, dict(num_experts=self.num_experts,
+                                              block_m=self.block_m,
+                                              has_map=self.has_expert_map)),
+            SubKernel("rotate_in", RotateInput, dict(hidden=self.hidden, topk=self.topk,
+                                                     per_route=per_route,
+                                                     has_map=self.has_expert_map,
+                                                     coupled=self.coupled)),
+            SubKernel("gemm1", gemm, dict(k_dim=self.hidden, n_dim=self.intermediate,
+                                          a_rows_per_token=not per_route, **common)),
+            SubKernel("mid", MidActivation, dict(intermediate=self.intermediate,
+                                                 activation=self.activation,
+                                                 has_map=self.has_expert_map,
+                                                 coupled=self.coupled)),
+            SubKernel("gemm2", gemm, dict(k_dim=self.intermediate, n_dim=self.hidden,
+                                          a_rows_per_token=False, **common)),
+            SubKernel("combine", CombineOutput, dict(hidden=self.hidden, topk=self.topk,
+                                                     shared_svh=self.shared_hidden_vectors,
+                                                     has_map=self.has_expert_map,
+                                                     out_dtype=_DSL_DTYPES.get(self.out_dtype),
+                                                     coupled=self.coupled)),
+        )
+
+    def kernel_launches(self) -> dict:
+        """{kernel class name: (threads per block, dynamic shared memory bytes)} of every
+        sub-kernel (one entry per class: the two GEMMs of a spec share their geometry)."""
+        out = {}
+        for sub in self.sub_kernels():
+            k = sub.build()
+            threads, smem = out.get(sub.name, (0, 0))
+            out[sub.name] = (max(threads, k.threads), max(smem, k.smem_bytes))
+        return out
 
     def dynamic_smem(self) -> dict:
         """Dynamic shared memory per block of each kernel (bytes), by kernel class name."""
-        self = self.resolved()
-        if self.mma == "wgmma":
-            return {"TrellisWgmma": wgmma_smem_bytes(self.block_m, self.bits, self.stages,
-                                                     self.span, self.codebook),
-                    "RoutePack": RoutePack.smem_bytes(self.num_experts)}
-        return {"TrellisGemm": gemm_smem_bytes(self.block_m, self.bits, self.stages,
-                                               self.codebook),
-                "RoutePack": RoutePack.smem_bytes(self.num_experts)}
+        return {name: smem for name, (_, smem) in self.kernel_launches().items()}
 
     def max_tokens(self) -> int:
         """Largest token count whose scratch indices stay inside 32-bit range."""
         return INDEX_LIMIT // (self.topk * max(self.hidden, self.intermediate) + 1) - 1
 
     def replace(self, **changes) -> "MoESpec":
+        """A copy with `changes`; "auto" / 0 requests are resolved again for the copy."""
+        mma, span = self.requested
+        changes.setdefault("mma", mma)
+        changes.setdefault("span", span)
         return dataclasses.replace(self, **changes)
 
     def kernel_name(self) -> str:
-        self = self.resolved()
         return (f"kq_moe_m{self.block_m}_k{self.bits}_{self.codebook}_{self.act_dtype}_"
                 f"{self.out_dtype}_{self.activation}_{'shared' if self.shared_hidden_vectors else 'perexp'}"
                 f"{'_map' if self.has_expert_map else ''}{'_cpl' if self.coupled else ''}"
@@ -210,18 +259,41 @@ class MoESpec:
             return self.gemm_resident_ctas()
         if self.occupancy:
             return self.occupancy
-        smem_per_sm = (cutlass.memory.get_smem_capacity_in_bytes(self.arch.removesuffix("a"))
-                       + SMEM_RESERVED_PER_CTA)
+        smem_per_sm = self.arch_limits().smem_per_block_optin + SMEM_RESERVED_PER_CTA
         return TrellisGemm.occupancy_target(self.block_m, self.bits, self.stages, smem_per_sm)
 
     def gemm_resident_ctas(self) -> int:
         """GEMM CTAs per SM that shared memory allows (the persistent grid of a table
         codebook is SMs x this)."""
-        self = self.resolved()
-        smem_per_sm = (cutlass.memory.get_smem_capacity_in_bytes(self.arch.removesuffix("a"))
-                       + SMEM_RESERVED_PER_CTA)
-        need = self.dynamic_smem()["TrellisWgmma" if self.mma == "wgmma" else "TrellisGemm"]
+        smem_per_sm = self.arch_limits().smem_per_block_optin + SMEM_RESERVED_PER_CTA
+        if self.mma == "wgmma":
+            need = wgmma_smem_bytes(self.block_m, self.bits, self.stages, self.span, self.codebook)
+        else:
+            need = gemm_smem_bytes(self.block_m, self.bits, self.stages, self.codebook)
         return max(1, min(MAX_CTAS_PER_SM, smem_per_sm // (need + SMEM_RESERVED_PER_CTA)))
+
+
+@dataclass(frozen=True)
+class SubKernel:
+    """One device kernel of the fused forward: its role (the `MoEForward` attribute), class
+    and constructor arguments. Every kernel class answers the same questions: the static
+    `can_implement(**args, smem_limit=...)` (a reason or None) and, once built, its
+    `threads` per block and dynamic shared memory `smem_bytes`."""
+
+    role: str
+    cls: type
+    args: dict = field(compare=False)
+
+    @property
+    def name(self) -> str:
+        """The class name, which is also how the compiled object names this kernel."""
+        return self.cls.__name__
+
+    def check(self, smem_limit: int | None = None) -> str | None:
+        return self.cls.can_implement(**self.args, smem_limit=smem_limit)
+
+    def build(self):
+        return self.cls(**self.args)
 
 
 def dsl_dtype(name: str, spec: MoESpec):
@@ -239,32 +311,14 @@ class MoEForward:
         reason = spec.check()
         if reason is not None:
             raise ValueError(f"cannot build {spec.kernel_name()}: {reason}")
-        spec = spec.resolved()
         self.spec = spec
-        per_route = not spec.shared_hidden_vectors
-        self.pack = RoutePack(num_experts=spec.num_experts, block_m=spec.block_m,
-                              has_map=spec.has_expert_map)
-        self.rotate_in = RotateInput(hidden=spec.hidden, topk=spec.topk, per_route=per_route,
-                                     has_map=spec.has_expert_map, coupled=spec.coupled)
-        Gemm = TrellisGemm
-        if spec.mma == "wgmma":
-            Gemm = functools.partial(TrellisWgmma, span=spec.span)
-        if spec.codebook in TABLE_CODEBOOKS:
-            Gemm = functools.partial(Gemm, ctas_per_sm=spec.gemm_resident_ctas())
-        self.gemm1 = Gemm(block_m=spec.block_m, k_dim=spec.hidden, n_dim=spec.intermediate,
-                                 bits=spec.bits, codebook=spec.codebook, topk=spec.topk,
-                                 a_rows_per_token=not per_route, stages=spec.stages,
-                                 min_ctas_per_sm=spec.gemm_ctas_per_sm())
-        self.mid = MidActivation(intermediate=spec.intermediate, activation=spec.activation,
-                                 has_map=spec.has_expert_map, coupled=spec.coupled)
-        self.gemm2 = Gemm(block_m=spec.block_m, k_dim=spec.intermediate, n_dim=spec.hidden,
-                                 bits=spec.bits, codebook=spec.codebook, topk=spec.topk,
-                                 a_rows_per_token=False, stages=spec.stages,
-                                 min_ctas_per_sm=spec.gemm_ctas_per_sm())
-        self.combine = CombineOutput(hidden=spec.hidden, topk=spec.topk,
-                                     shared_svh=spec.shared_hidden_vectors,
-                                     has_map=spec.has_expert_map,
-                                     out_dtype=_DSL_DTYPES[spec.out_dtype], coupled=spec.coupled)
+        kernels = {sub.role: sub.build() for sub in spec.sub_kernels()}
+        self.pack = kernels["pack"]
+        self.rotate_in = kernels["rotate_in"]
+        self.gemm1 = kernels["gemm1"]
+        self.mid = kernels["mid"]
+        self.gemm2 = kernels["gemm2"]
+        self.combine = kernels["combine"]
 
     @cute.jit
     def __call__(self, x, topk_ids, topk_weights, expert_map, gate_trellis, up_trellis,

@@ -78,10 +78,26 @@ def apply_activation(g, u, activation: str):
         SITU_LBETA * cute.math.tanh(u * (1.0 / SITU_LBETA)))
 
 
+def _check_chunks(name: str, dim: int) -> str | None:
+    if dim % CHUNK:
+        return f"{name} {dim} is not a multiple of {CHUNK} (one warp per {CHUNK}-wide chunk)"
+    return None
+
+
 class RotateInput:
     """x [m, H] -> Xg, Xu fp16 [rows, H] with rows = m (shared suh) or m*topk (per expert).
 
     coupled: Xg = H_blk(H512(x) * suh) only (Xu is not written; suh_gate == suh_up)."""
+
+    threads = THREADS
+    smem_bytes = 0
+
+    @staticmethod
+    def can_implement(*, hidden: int, topk: int, per_route: bool, has_map: bool,
+                      coupled: bool = False, smem_limit: int | None = None) -> str | None:
+        if coupled and (per_route or hidden % (4 * CHUNK)):
+            return "coupled RotateInput needs shared vectors and hidden % 512 == 0"
+        return _check_chunks("hidden", hidden)
 
     def __init__(self, *, hidden: int, topk: int, per_route: bool, has_map: bool,
                  coupled: bool = False):
@@ -172,6 +188,16 @@ class MidActivation:
     """G, U fp32 [routes, I] -> A2 fp16 [routes, I] (FC1 output rotation, act, FC2 input).
 
     coupled: G / U are the two FC1 slots; see `coupled_kernel`."""
+
+    threads = THREADS
+    smem_bytes = 0
+
+    @staticmethod
+    def can_implement(*, intermediate: int, activation: str, has_map: bool,
+                      coupled: bool = False, smem_limit: int | None = None) -> str | None:
+        if activation not in ACTIVATIONS:
+            return f"activation {activation!r} not in {ACTIVATIONS}"
+        return _check_chunks("intermediate", intermediate)
 
     def __init__(self, *, intermediate: int, activation: str, has_map: bool,
                  coupled: bool = False):
@@ -289,6 +315,16 @@ class CombineOutput:
     """Y fp32 [routes, H] -> out [m, H]: sum_k w_k * (H_blk(Y) * svh_down) per token.
 
     coupled (shared svh only): then H512 of the sum, one warp per 512-block."""
+
+    threads = THREADS
+    smem_bytes = 0
+
+    @staticmethod
+    def can_implement(*, hidden: int, topk: int, shared_svh: bool, has_map: bool, out_dtype,
+                      coupled: bool = False, smem_limit: int | None = None) -> str | None:
+        if coupled and (not shared_svh or hidden % (4 * CHUNK)):
+            return "coupled CombineOutput needs shared svh and hidden % 512 == 0"
+        return _check_chunks("hidden", hidden)
 
     def __init__(self, *, hidden: int, topk: int, shared_svh: bool, has_map: bool, out_dtype,
                  coupled: bool = False):

@@ -21,23 +21,36 @@ from . import ptx
 THREADS = 1024
 
 
+def smem_bytes(num_experts: int) -> int:
+    """Dynamic shared memory: per-expert counts and cursors, the two scan buffers, slack."""
+    return 4 * (2 * num_experts + 2 * THREADS) + 64
+
+
 class RoutePack:
+    threads = THREADS
+
     def __init__(self, *, num_experts: int, block_m: int, has_map: bool):
         self.num_experts = num_experts
         self.block_m = block_m
         self.has_map = has_map
         self.chunk = (num_experts + THREADS - 1) // THREADS  # experts per thread
+        self.smem_bytes = smem_bytes(num_experts)
 
     @staticmethod
-    def smem_bytes(num_experts: int) -> int:
-        return 4 * (2 * num_experts + 2 * THREADS) + 64
+    def can_implement(*, num_experts: int, block_m: int, has_map: bool,
+                      smem_limit: int | None = None) -> str | None:
+        """None when one CTA can pack `num_experts` experts, else the reason."""
+        need = smem_bytes(num_experts)
+        if smem_limit is not None and need > smem_limit:
+            return f"route pack needs {need:,} B shared memory > {smem_limit:,} B per-block limit"
+        return None
 
     @cute.jit
     def __call__(self, pIds, pMap, pSorted, pBlockExpert, pNumPadded, pOffsets, pCounts,
                  n_routes: Int32, max_blocks: Int32, stream):
         self.kernel(pIds, pMap, pSorted, pBlockExpert, pNumPadded, pOffsets, pCounts,
                     n_routes, max_blocks).launch(grid=[1, 1, 1], block=[THREADS, 1, 1],
-                                                 smem=self.smem_bytes(self.num_experts),
+                                                 smem=self.smem_bytes,
                                                  stream=stream)
 
     @cute.kernel

@@ -37,13 +37,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from . import format as fmt
+from .launch import ROUTE_BLOCK_SIZES
 
 from . import ptx
 
 TILE_N = 128
 NUM_WARPS = 4
 THREADS = 32 * NUM_WARPS
-BLOCK_SIZES = (8, 16, 32, 48, 64)
+BLOCK_SIZES = ROUTE_BLOCK_SIZES  # defined once, in the launch contract
 MMA_CODEBOOKS = ("mcg", "3inst", "mul1", "sqg_e4m3")
 #: Codebooks decoded through a state -> byte table in shared memory (persistent CTAs).
 TABLE_CODEBOOKS = ("sqg_e4m3",)
@@ -255,6 +256,7 @@ class TrellisGemm:
         self.a_chunks = block_m * (K_STEPS_PER_STAGE * 16 * 2 // 16)  # 16-byte copies per stage
         self.b_chunks = K_STEPS_PER_STAGE * (TILE_N // 16) * self.tile_words * 4 // 16
         self.a_iters = (self.a_chunks + THREADS - 1) // THREADS
+        self.threads = THREADS
         self.smem_bytes = smem_bytes(block_m, bits, stages, codebook)
 
     @staticmethod
@@ -268,8 +270,11 @@ class TrellisGemm:
 
     @staticmethod
     def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
-                      stages: int = DEFAULT_STAGES, smem_limit: int | None = None) -> str | None:
-        """None when this geometry compiles to a valid kernel, else the reason."""
+                      stages: int = DEFAULT_STAGES, smem_limit: int | None = None,
+                      topk: int = 1, a_rows_per_token: bool = False,
+                      min_ctas_per_sm: int = 1, ctas_per_sm: int = 1) -> str | None:
+        """None when this geometry compiles to a valid kernel, else the reason (takes the
+        constructor's arguments; `smem_limit`: the target's per-block shared memory)."""
         if block_m not in BLOCK_SIZES:
             return f"block_m {block_m} not in {BLOCK_SIZES}"
         if codebook not in MMA_CODEBOOKS:

@@ -108,6 +108,25 @@ def smem_descriptor_sw128(saddr) -> Int64:
 class TrellisWgmma:
     """One specialization of the wgmma trellis grouped GEMM (see module docstring)."""
 
+    @staticmethod
+    def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
+                      stages: int, span: int = 1, smem_limit: int | None = None,
+                      **gemm_args) -> str | None:
+        """None when this geometry compiles to a valid kernel, else the reason: the span,
+        the mma.sync GEMM's geometry rules (it owns decode and ring), this kernel's smem."""
+        reason = check_span(block_m, span)
+        if reason is None:
+            reason = TrellisGemm.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim,
+                                               bits=bits, codebook=codebook, stages=stages,
+                                               **gemm_args)
+        if reason is None and smem_limit is not None:
+            need = smem_bytes(block_m, bits, stages, span, codebook)
+            if need > smem_limit:
+                with_table = (f" (incl. the {table_bytes(codebook) // 1024} KiB {codebook} state "
+                              "table)" if table_bytes(codebook) else "")
+                reason = f"shared memory {need:,} B{with_table} > {smem_limit:,} B per-block limit"
+        return reason
+
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                  topk: int, a_rows_per_token: bool, stages: int, min_ctas_per_sm: int = 1,
                  span: int = 1, ctas_per_sm: int = 1):

@@ -191,7 +191,8 @@ def format_table(records: Sequence[PrewarmRecord]) -> str:
     """One row per specialization: arch, M, role, status, regs, smem, spill, seconds, reason."""
     head = ("arch", "M", "role", "status", "regs", "smem B", "spill B", "seconds", "reason")
     rows = [head] + [
-        (r.arch, str(r.block_m), r.role, r.status + (" (built)" if r.cache == "compiled" and not r.ok else ""),
+        (r.arch, str(r.block_m), r.role, r.status + (" (built)" if r.cache == "compiled" and not r.ok else "")
+         + (" (unmeasured)" if r.measured is False else ""),
          _num(r.registers), _num(r.shared_bytes), _num(r.spill_bytes), f"{r.seconds:.2f}",
          _clip(r.reason or "", REASON_WIDTH))
         for r in records
@@ -394,6 +395,11 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(format_table(records), file=out)
     print(_totals(records, wall, cache), file=text_out)
 
+    unmeasured = [r for r in records if r.measured is False]
+    if unmeasured:
+        print(f"{PROG}: warning: registers and spills of {len(unmeasured)} specializations were "
+              "not measured (cuobjdump not found: install nvidia-cuda-cuobjdump or set "
+              "CUDA_HOME); their geometry is unchecked", file=err)
     status = EXIT_OK
     failures = needed_failures(records)
     for r in failures:

@@ -8,14 +8,13 @@ compile cache (never re-pay a compile) and the planners (which route block M to 
   object does not load is deleted and rebuilt by the cache instead of being served.
 - `geometry_check(spec, arch)`: the validity predicate the planner's fallback uses:
   static reasons from the kernel, then measured registers / spills / shared memory of
-  every kernel in the compiled object against the per-SM table.
+  every sub-kernel (`MoESpec.sub_kernels()`) against the per-SM table.
 - `plan_forward(base, capacity, arch, env)`: the plan pair (decode M = 8, prefill M from
   the policy with fallback) as a `ForwardPlan`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import os
 import re
@@ -28,17 +27,11 @@ from .compile_cache import CompileCache, CompileCacheMiss, default_cache
 from .compile_cache.store import sweep_stale
 from .kernels import build as kbuild
 from .kernels.moe import MoESpec
-from .kernels.trellis_wgmma import warpgroups as wgmma_warpgroups
 from .planners import GeometryVerdict, PlanEnv, arch_limits, check_resources, normalize_arch
 from .planners.plans import PlanPairLayout, plan_pair_layout
 from .planners.policy import ROUTE_BLOCK_SIZES, select_route_block_size_m
 
 KERNEL_NAME = "w4a16_trellis_moe"
-# Threads per block of each kernel in the object (for the register-file check).
-KERNEL_THREADS = {"TrellisGemm": 128, "RoutePack": 1024, "RotateInput": 128,
-                  "MidActivation": 128, "CombineOutput": 128}
-
-
 _GEMM_NAMES = {"sync": "mma.sync", "wgmma": "async wgmma"}
 
 
@@ -49,14 +42,6 @@ def describe_gemm(plans) -> str:
         f"M={block_m} {_GEMM_NAMES.get(mma, mma)}"
         + (f" x {span} route blocks per work item" if span > 1 else "")
         for block_m, mma, span in plans)
-
-
-def kernel_threads(spec: MoESpec, kernel: str) -> int:
-    """Threads per block of `kernel` in `spec`'s object (the wgmma GEMM has two warpgroups
-    when its work item holds more than 64 rows)."""
-    if kernel == "TrellisWgmma":
-        return 128 * wgmma_warpgroups(spec.block_m * spec.span)
-    return KERNEL_THREADS.get(kernel, 128)
 
 
 def source_files() -> list[str]:
@@ -111,8 +96,7 @@ def _build(spec: MoESpec):
 def get_specialization(spec: MoESpec, cache: Optional[CompileCache] = None):
     """The `CacheResult` of one specialization (value: a `CompiledEntry`)."""
     cache = cache or default_cache()
-    spec = spec.resolved()  # "auto" MMA / span: keyed and built as what they resolve to
-    spec_dict = dataclasses.asdict(spec)
+    spec_dict = spec.key_fields()  # "auto" MMA / span: keyed as what they resolved to
     arch = spec_dict.pop("arch")
 
     def load(path, meta):
@@ -128,12 +112,13 @@ def get_specialization(spec: MoESpec, cache: Optional[CompileCache] = None):
 
 
 def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> GeometryVerdict:
-    """Static check, then compile (cached) and check measured resources on spec.arch."""
+    """Static check, then compile (cached) and check the measured resources of every
+    sub-kernel on spec.arch. Without measurements (no cuobjdump where it was compiled) the
+    verdict accepts the geometry as "unmeasured" (`measured=False`), never silently."""
     limits = arch_limits(spec.arch)
     reason = spec.check(smem_limit=limits.smem_per_block_optin)
     if reason is not None:
         return GeometryVerdict(block_m=spec.block_m, ok=False, reason=reason)
-    spec = spec.resolved()
     cache = cache or default_cache()  # an invalid cache environment raises, not "rejected"
     try:
         res = get_specialization(spec, cache)
@@ -143,17 +128,23 @@ def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> Geome
         return GeometryVerdict(block_m=spec.block_m, ok=False,
                                reason=f"compile failed: {type(exc).__name__}: {exc}")
     extra = res.value.resources
+    if not extra.get("resources_measured", bool(extra.get("kernels"))):
+        return GeometryVerdict(block_m=spec.block_m, ok=True, measured=False)
+    launches = spec.kernel_launches()
     reasons = []
     for k in extra.get("kernels", []):
+        if k["kernel"] not in launches:
+            reasons.append(f"{k['kernel']}: a kernel of the object that MoESpec.sub_kernels() "
+                           "does not list (its threads are unknown)")
+            continue
         r = check_resources(limits, smem_bytes=k["shared"], registers=k["registers"],
-                            spills=k["stack"] + k["local"],
-                            threads=kernel_threads(spec, k["kernel"]))
+                            spills=k["stack"] + k["local"], threads=launches[k["kernel"]][0])
         if r is not None:
             reasons.append(f"{k['kernel']}: {r}")
     return GeometryVerdict(block_m=spec.block_m, ok=not reasons,
                            reason="; ".join(reasons) if reasons else None,
                            registers=extra.get("registers"), spills=extra.get("spill_bytes"),
-                           smem_bytes=extra.get("shared_bytes"))
+                           smem_bytes=extra.get("shared_bytes"), measured=True)
 
 
 @dataclass
@@ -216,28 +207,27 @@ def plan_forward(base: MoESpec, *, capacity: int, arch, env: PlanEnv,
     """Plan (and compile through the cache) the decode / prefill pair for `base`'s shape;
     with `banded`, also every accepted size between them (see `ForwardPlan`)."""
     arch = normalize_arch(arch)
+    # The MMA kind resolves per arch, so every plan of the layer shares it (bitwise
+    # equality across M); an "auto" span resolves per block size.
     base = base.replace(arch=arch)
-    # The MMA kind is per arch, so every plan of the layer shares it (bitwise equality
-    # across M); the span stays "auto" here and resolves per block size.
-    base = base.replace(mma=base.resolved().mma)
 
     def check(block_m: int) -> GeometryVerdict:
         return geometry_check(base.replace(block_m=block_m), cache)
 
     layout = plan_pair_layout(capacity, base.topk, base.num_experts, env, check)
-    decode_spec = base.replace(block_m=layout.decode.block_m).resolved()
+    decode_spec = base.replace(block_m=layout.decode.block_m)
     verdict = check(decode_spec.block_m)
     if not verdict.ok:
         raise ValueError(f"the decode specialization is not implementable: {verdict.reason}")
     decode = BoundPlan(decode_spec, get_specialization(decode_spec, cache).value)
     prefill = None
     if layout.prefill is not None:
-        pspec = base.replace(block_m=layout.prefill.block_m).resolved()
+        pspec = base.replace(block_m=layout.prefill.block_m)
         prefill = BoundPlan(pspec, get_specialization(pspec, cache).value)
     bands = {}
     if banded and prefill is not None:
         for size in ROUTE_BLOCK_SIZES:
             if decode_spec.block_m < size < prefill.spec.block_m and check(size).ok:
-                bspec = base.replace(block_m=size).resolved()
+                bspec = base.replace(block_m=size)
                 bands[size] = BoundPlan(bspec, get_specialization(bspec, cache).value)
     return ForwardPlan(layout, decode, prefill, bands)

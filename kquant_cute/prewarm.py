@@ -111,6 +111,9 @@ class PrewarmRecord:
     #: The GEMM of the specialization: "wgmma" or "sync", and route blocks per work item.
     mma: str = ""
     span: int = 0
+    #: False when the object's registers / spills could not be read (no cuobjdump): the
+    #: geometry was accepted unmeasured. None when never compiled.
+    measured: Optional[bool] = None
 
     @property
     def needed(self) -> bool:
@@ -285,7 +288,6 @@ def spec_bound(base: MoESpec, capacity: int, env: PlanEnv) -> int:
 
 def _record(arch: str, verdict: GeometryVerdict, role: Role, outcome: Optional[_Outcome],
             spec: MoESpec) -> PrewarmRecord:
-    spec = spec.resolved()
     extra = outcome.extra if outcome is not None else {}
     answer = outcome.answer if outcome is not None else None
     status: Status
@@ -316,6 +318,7 @@ def _record(arch: str, verdict: GeometryVerdict, role: Role, outcome: Optional[_
         kernel=spec.kernel_name(),
         mma=spec.mma,
         span=spec.span,
+        measured=verdict.measured,
     )
 
 

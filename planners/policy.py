@@ -25,8 +25,9 @@ __all__ = [
     "max_route_blocks",
 ]
 
-#: Route block sizes (rows of one route block) the fused kernel is specialised for, ascending.
-ROUTE_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 48, 64)
+# Route block sizes (rows of one route block) the fused kernel is specialised for, ascending:
+# a kernel fact, owned by the launch contract.
+from ..kernels.launch import ROUTE_BLOCK_SIZES  # noqa: E402
 
 #: Average fill a route block should reach before the policy moves to a wider one.
 FILL_TARGET: float = 0.9

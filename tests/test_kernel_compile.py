@@ -18,7 +18,9 @@ from kquant_cute.kernels.build import find_cuobjdump
 from kquant_cute.planners import arch_limits, resolve_env
 from kquant_cute.prewarm import DEFAULT_GEOMETRY
 
-pytestmark = pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")
+needs_cuobjdump = pytest.mark.skipif(
+    find_cuobjdump() is None,
+    reason="cuobjdump not found (the nvidia-cuda-cuobjdump dependency): resources unmeasurable")
 
 ARCHS = ("sm_90a", "sm_100a", "sm_120a")
 BLOCKS = (8, 16, 32, 48, 64)
@@ -29,6 +31,7 @@ def cache(tmp_path_factory):
     return CompileCache(tmp_path_factory.mktemp("kq_compile"))
 
 
+@needs_cuobjdump
 @pytest.mark.parametrize("arch", ARCHS)
 def test_default_geometry_compiles_for_every_block(arch, cache):
     limits = arch_limits(arch)
@@ -63,6 +66,7 @@ def _resources(spec, cache):
     return get_specialization(spec, cache).value.resources
 
 
+@needs_cuobjdump
 def test_sm120_rejects_wide_block_that_sm90_accepts(cache):
     """An 8-stage pipeline at M=64 needs 106,496 B of dynamic shared memory: over sm_120's
     101,376 B per-block limit, inside sm_90's 232,448 B. The planner falls back to 48."""
@@ -96,14 +100,18 @@ def test_static_rejections_name_the_reason():
     assert "span must be an int >= 0" in spec.replace(mma="wgmma", span=-1).check()
     assert "span 3 not in" in spec.replace(mma="wgmma", span=3).check()
     assert "needs sm_90a" in spec.replace(arch="sm_120a", mma="wgmma").check()
-    # "auto" resolves by arch; the resolved spec names and keys the object.
-    assert spec.resolved().mma == "wgmma" and spec.replace(arch="sm_120a").resolved().mma == "sync"
+    # "auto" resolves by arch when the spec is made; the resolved spec names and keys the
+    # object, and replace() resolves the request again (M=32 gets its own span).
+    assert (spec.mma, spec.span) == ("wgmma", 1) and spec.requested == ("auto", 0)
+    assert spec.replace(arch="sm_120a").mma == "sync"
     assert spec.replace(block_m=32).kernel_name().endswith("_wgmma_x2_sm_90a")
-    resolved = spec.resolved()
-    assert resolved.resolved() is resolved and resolved != spec  # concrete: a fixed point
+    pinned = spec.replace(mma="wgmma", span=1)
+    assert pinned == spec and pinned.key_fields() == spec.key_fields()  # one object
+    assert pinned.replace(block_m=32).span == 1  # a pin stays pinned
     assert spec.check() is None
 
 
+@needs_cuobjdump
 def test_banded_plan_binds_the_policy_choice_per_call(cache):
     """Opt-in banded plan: above the threshold a call binds the policy's M at its own m
     (the pair alone would bind the capacity's M=64 for every m > 256)."""
@@ -118,19 +126,19 @@ def test_banded_plan_binds_the_policy_choice_per_call(cache):
     assert "banded" in banded.describe()
 
 
+@needs_cuobjdump
 def test_mma_kind_resolves_per_arch_and_wgmma_compiles_at_every_span(cache):
     """"auto" is wgmma (spans of 2 blocks at M=32) on sm_90a and mma.sync elsewhere; an
     explicit wgmma elsewhere is rejected. The wgmma GEMM compiles with no spills at every
     block size and span, with two warpgroups once a work item holds more than 64 rows, and
     at M=64 without spans it needs fewer registers than mma.sync (no 16-row padding of the
     accumulators, which live on the weight side)."""
-    from kquant_cute.compiler import kernel_threads
     from kquant_cute.kernels.trellis_wgmma import smem_bytes as wgmma_smem
 
     spec90 = DEFAULT_GEOMETRY.replace(arch="sm_90a")
-    assert [(spec90.replace(block_m=m).resolved().mma, spec90.replace(block_m=m).resolved().span)
+    assert [(spec90.replace(block_m=m).mma, spec90.replace(block_m=m).span)
             for m in BLOCKS] == [("wgmma", 1), ("wgmma", 1), ("wgmma", 2), ("wgmma", 1), ("wgmma", 1)]
-    spec120 = DEFAULT_GEOMETRY.replace(arch="sm_120a", block_m=64).resolved()
+    spec120 = DEFAULT_GEOMETRY.replace(arch="sm_120a", block_m=64)
     assert (spec120.mma, spec120.span) == ("sync", 1)
     assert "needs sm_90a" in DEFAULT_GEOMETRY.replace(arch="sm_120a", mma="wgmma").check()
     assert "needs mma 'wgmma'" in spec90.replace(mma="sync", span=2).check()
@@ -143,7 +151,8 @@ def test_mma_kind_resolves_per_arch_and_wgmma_compiles_at_every_span(cache):
         gemm = {k["kernel"]: k for k in _resources(spec, cache)["kernels"]}["TrellisWgmma"]
         assert gemm["local"] == 0 and gemm["stack"] == 0
         assert gemm["shared"] >= wgmma_smem(m, spec.bits, spec.stages, span)
-        assert kernel_threads(spec, "TrellisWgmma") == (256 if m * span > 64 else 128)
+        threads, smem = spec.kernel_launches()["TrellisWgmma"]
+        assert threads == (256 if m * span > 64 else 128) and smem == wgmma_smem(m, 4, 4, span)
         regs[m, span] = gemm["registers"]
     sync64 = {k["kernel"]: k for k in _resources(spec90.replace(block_m=64, mma="sync"),
                                                   cache)["kernels"]}["TrellisGemm"]["registers"]
@@ -151,6 +160,7 @@ def test_mma_kind_resolves_per_arch_and_wgmma_compiles_at_every_span(cache):
     assert regs[8, 1] < regs[64, 1]
 
 
+@needs_cuobjdump
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sqg_e4m3_compiles_with_its_state_table(arch, cache):
     """sqg_e4m3 at K = 2, 3, 4: the GEMM (wgmma on sm_90a, mma.sync elsewhere) holds the
@@ -178,6 +188,7 @@ def test_sqg_e4m3_compiles_with_its_state_table(arch, cache):
         assert "64 KiB sqg_e4m3 state table" in reason and "101,376" in reason
 
 
+@needs_cuobjdump
 def test_sqg_e4m3_sm120_plan_falls_back_to_a_block_that_fits(cache):
     """The 64 KiB table leaves sm_120 room for M <= 32 at K=4: the prefill plan for 4,096
     tokens (policy M=64) falls back to 32 with both rejections recorded; sm_90 keeps 64."""
@@ -190,3 +201,49 @@ def test_sqg_e4m3_sm120_plan_falls_back_to_a_block_that_fits(cache):
     assert p120.prefill.spec.block_m == 32 and p120.decode.spec.block_m == 8
     assert "M=48: rejected" in p120.describe()
     assert geometry_check(base.replace(block_m=64, arch="sm_90a"), cache).ok
+
+
+def test_sub_kernels_answer_the_same_questions():
+    """Every device kernel of the forward: can_implement (a reason or None), threads and
+    dynamic shared memory; the geometry check and the resource reading use this list."""
+    for arch, gemm in (("sm_90a", "TrellisWgmma"), ("sm_120a", "TrellisGemm")):
+        spec = DEFAULT_GEOMETRY.replace(block_m=32, arch=arch)
+        subs = spec.sub_kernels()
+        assert [s.role for s in subs] == ["pack", "rotate_in", "gemm1", "mid", "gemm2", "combine"]
+        assert {s.name for s in subs} == {gemm, "RoutePack", "RotateInput", "MidActivation",
+                                          "CombineOutput"}
+        for sub in subs:
+            assert sub.check() is None
+            k = sub.build()
+            assert isinstance(k.threads, int) and 32 <= k.threads <= 1024
+            assert isinstance(k.smem_bytes, int) and k.smem_bytes >= 0
+        launches = spec.kernel_launches()
+        assert launches["RoutePack"] == (1024, 4 * (2 * 896 + 2 * 1024) + 64)
+        assert launches["RotateInput"] == (128, 0)
+    # A sub-kernel's own reason surfaces through the spec, with its numbers.
+    assert "route pack needs" in DEFAULT_GEOMETRY.replace(num_experts=40000).check(smem_limit=101376)
+    assert "activation 'gelu'" in DEFAULT_GEOMETRY.replace(activation="gelu").check()
+    wg = DEFAULT_GEOMETRY.replace(block_m=64, mma="wgmma", span=2, stages=8, arch="sm_90a")
+    assert "shared memory" in wg.check(smem_limit=101376)
+
+
+def test_unmeasured_resources_are_reported_not_passed(tmp_path, monkeypatch, capsys):
+    """Without cuobjdump the object still compiles, but the verdict says "unmeasured"
+    (measured=False) and kquant-compile shows it in its table and on stderr."""
+    from kquant_cute import cli
+    from kquant_cute.kernels import build
+
+    monkeypatch.setattr(build, "find_cuobjdump", lambda: None)
+    small = DEFAULT_GEOMETRY.replace(num_experts=8, hidden=256, intermediate=256, topk=2,
+                                     block_m=8, arch="sm_120a")
+    cache = CompileCache(tmp_path / "c")
+    verdict = geometry_check(small, cache)
+    assert verdict.ok and verdict.measured is False and verdict.registers is None
+    assert "unmeasured" in verdict.summary()
+    status = cli.main(["--sm", "120", "--experts", "8", "--hidden", "256", "--intermediate",
+                       "256", "--topk", "2", "--capacity", "64", "--cache-dir",
+                       str(tmp_path / "c"), "-q"])
+    out, err = capsys.readouterr()
+    assert status == 0
+    assert "unmeasured" in out
+    assert "not measured" in err and "cuobjdump" in err

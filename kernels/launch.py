@@ -1,0 +1,153 @@
+"""The fused forward's launch contract: block sizes, arguments, scratch buffers (no torch, no cutlass).
+
+Owns what a caller must know to launch a compiled `MoEForward` object and nothing about
+how it computes:
+
+* :data:`ROUTE_BLOCK_SIZES` -- the route block sizes M the kernels are specialized for
+  (the policy in `planners/policy.py` picks among them);
+* :data:`ARGS` -- the entry point's arguments in order: pointers (with the dtype of the
+  pointee and what they hold) and Int32 scalars; the stream comes last;
+* :func:`scratch_layout` -- every scratch buffer the forward reads or writes between its
+  kernels (shape, dtype, byte offset in one 256-byte-aligned arena);
+* :func:`int_args` -- the Int32 arguments of one call.
+
+`kquant_cute/layer.py` allocates the arena and binds tensors to these names; it computes
+no shape or size itself. Dtypes are names: ``"act"`` / ``"out"`` stand for the spec's
+activation and output dtypes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "ARGS",
+    "ARG_NAMES",
+    "ARENA_ALIGN",
+    "DTYPE_BYTES",
+    "ROUTE_BLOCK_SIZES",
+    "Arg",
+    "ScratchBuffer",
+    "ScratchLayout",
+    "int_args",
+    "scratch_layout",
+]
+
+#: Route block sizes (rows of one route block) the fused kernel is specialized for, ascending.
+ROUTE_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 48, 64)
+
+#: Bytes per element of every dtype name the contract uses.
+DTYPE_BYTES = {"int32": 4, "int16": 2, "uint8": 1, "float32": 4, "float16": 2, "bfloat16": 2}
+
+#: Every scratch buffer starts at a multiple of this many bytes of the arena.
+ARENA_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One entry-point argument: a pointer (``dtype`` = its pointee) or an Int32 (``dtype`` None).
+
+    ``kind``: ``"input"`` (per call: x, routing), ``"weight"`` (the layer's tensors),
+    ``"scratch"`` (a buffer of :func:`scratch_layout`), ``"output"`` or ``"int"``.
+    """
+
+    name: str
+    dtype: str | None
+    kind: str
+
+
+ARGS: tuple[Arg, ...] = (
+    Arg("x", "act", "input"), Arg("topk_ids", "int32", "input"),
+    Arg("topk_weights", "float32", "input"), Arg("expert_map", "int32", "input"),
+    Arg("gate_trellis", "int16", "weight"), Arg("up_trellis", "int16", "weight"),
+    Arg("down_trellis", "int16", "weight"),
+    Arg("gate_suh", "float16", "weight"), Arg("up_suh", "float16", "weight"),
+    Arg("gate_svh", "float16", "weight"), Arg("up_svh", "float16", "weight"),
+    Arg("down_suh", "float16", "weight"), Arg("down_svh", "float16", "weight"),
+    Arg("pre_signs", "float16", "weight"), Arg("post_signs", "float16", "weight"),
+    Arg("codebook_table", "uint8", "weight"),
+    Arg("sorted_routes", "int32", "scratch"), Arg("block_expert", "int32", "scratch"),
+    Arg("num_padded", "int32", "scratch"), Arg("expert_offsets", "int32", "scratch"),
+    Arg("expert_counts", "int32", "scratch"),
+    Arg("xg", "float16", "scratch"), Arg("xu", "float16", "scratch"),
+    Arg("g", "float32", "scratch"), Arg("u", "float32", "scratch"),
+    Arg("a2", "float16", "scratch"), Arg("y", "float32", "scratch"),
+    Arg("out", "out", "output"),
+    Arg("m", None, "int"), Arg("max_blocks", None, "int"), Arg("rows_cap", None, "int"),
+    Arg("routes_cap", None, "int"), Arg("sm_count", None, "int"),
+)
+
+#: ``(name, dtype)`` of :data:`ARGS`, in order.
+ARG_NAMES: tuple[tuple[str, str | None], ...] = tuple((a.name, a.dtype) for a in ARGS)
+
+
+@dataclass(frozen=True)
+class ScratchBuffer:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ScratchLayout:
+    """The scratch buffers of one arena, in order, and the arena's size in bytes."""
+
+    buffers: tuple[ScratchBuffer, ...]
+    nbytes: int
+
+    def __getitem__(self, name: str) -> ScratchBuffer:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.buffers)
+
+
+def scratch_layout(*, num_experts: int, hidden: int, intermediate: int, topk: int,
+                   shared_hidden_vectors: bool, capacity: int, max_slots: int) -> ScratchLayout:
+    """The scratch arena of a layer serving up to `capacity` tokens whose widest plan packs
+    at most `max_slots` route slots (the route pack's padded bound).
+
+    Rows of the rotated activations are tokens (shared hidden-side vectors) or routes, plus
+    one: the GEMMs' nominal zero row. The block list holds one entry per block of the
+    narrowest size plus a terminator, so it serves every plan of the layer."""
+    E, H, I, n = num_experts, hidden, intermediate, capacity * topk
+    rows = capacity if shared_hidden_vectors else n
+    shapes = (
+        ("sorted_routes", (max_slots,), "int32"),
+        ("block_expert", (max_slots // ROUTE_BLOCK_SIZES[0] + 1,), "int32"),
+        ("num_padded", (4,), "int32"),
+        ("expert_offsets", (E + 1,), "int32"),
+        ("expert_counts", (E,), "int32"),
+        ("xg", (rows + 1, H), "float16"),
+        ("xu", (rows + 1, H), "float16"),
+        ("g", (n, I), "float32"),
+        ("u", (n, I), "float32"),
+        ("a2", (n + 1, I), "float16"),
+        ("y", (n, H), "float32"),
+    )
+    buffers, off = [], 0
+    for name, shape, dtype in shapes:
+        off = -(-off // ARENA_ALIGN) * ARENA_ALIGN
+        numel = 1
+        for s in shape:
+            numel *= s
+        buffers.append(ScratchBuffer(name, shape, dtype, off, numel * DTYPE_BYTES[dtype]))
+        off += buffers[-1].nbytes
+    return ScratchLayout(tuple(buffers), -(-off // ARENA_ALIGN) * ARENA_ALIGN)
+
+
+def int_args(*, m: int, topk: int, capacity: int, shared_hidden_vectors: bool,
+             max_blocks: int) -> dict[str, int]:
+    """The Int32 arguments of a call with `m` tokens: `max_blocks` (the plan's block bound
+    at m, which sizes the grid), and the row capacities whose last row is the nominal zero
+    row of the GEMMs' A operands."""
+    routes_cap = capacity * topk
+    return {"m": m, "max_blocks": max_blocks,
+            "rows_cap": capacity if shared_hidden_vectors else routes_cap,
+            "routes_cap": routes_cap}
