@@ -47,7 +47,9 @@ ARENA_ALIGN = 256
 class Arg:
     """One entry-point argument: a pointer (``dtype`` = its pointee) or an Int32 (``dtype`` None).
 
-    ``kind``: ``"input"`` (per call: x, routing), ``"weight"`` (the layer's tensors),
+    ``kind``: ``"input"`` (per call: x, routing), ``"weight"`` (a tensor of the layer's
+    weights, same name), ``"table"`` (the codebook's state table: sqg_e4m3's uint8
+    [65536], `kquant_cute.trellis.sqg_state_table`; any valid address otherwise),
     ``"scratch"`` (a buffer of :func:`scratch_layout`), ``"output"`` or ``"int"``.
     """
 
@@ -65,7 +67,7 @@ ARGS: tuple[Arg, ...] = (
     Arg("gate_svh", "float16", "weight"), Arg("up_svh", "float16", "weight"),
     Arg("down_suh", "float16", "weight"), Arg("down_svh", "float16", "weight"),
     Arg("pre_signs", "float16", "weight"), Arg("post_signs", "float16", "weight"),
-    Arg("codebook_table", "uint8", "weight"),
+    Arg("codebook_table", "uint8", "table"),
     Arg("sorted_routes", "int32", "scratch"), Arg("block_expert", "int32", "scratch"),
     Arg("num_padded", "int32", "scratch"), Arg("expert_offsets", "int32", "scratch"),
     Arg("expert_counts", "int32", "scratch"),
@@ -108,16 +110,16 @@ class ScratchLayout:
         return tuple(b.name for b in self.buffers)
 
 
-def scratch_layout(*, num_experts: int, hidden: int, intermediate: int, topk: int,
-                   shared_hidden_vectors: bool, capacity: int, max_slots: int) -> ScratchLayout:
-    """The scratch arena of a layer serving up to `capacity` tokens whose widest plan packs
-    at most `max_slots` route slots (the route pack's padded bound).
+def scratch_layout(spec, *, capacity: int, max_slots: int) -> ScratchLayout:
+    """The scratch arena of a layer of `spec`'s shape (a `MoESpec`: num_experts, hidden,
+    intermediate, topk, shared_hidden_vectors) serving up to `capacity` tokens whose widest
+    plan packs at most `max_slots` route slots (the route pack's padded bound).
 
     Rows of the rotated activations are tokens (shared hidden-side vectors) or routes, plus
     one: the GEMMs' nominal zero row. The block list holds one entry per block of the
     narrowest size plus a terminator, so it serves every plan of the layer."""
-    E, H, I, n = num_experts, hidden, intermediate, capacity * topk
-    rows = capacity if shared_hidden_vectors else n
+    E, H, I, n = spec.num_experts, spec.hidden, spec.intermediate, capacity * spec.topk
+    rows = capacity if spec.shared_hidden_vectors else n
     shapes = (
         ("sorted_routes", (max_slots,), "int32"),
         ("block_expert", (max_slots // ROUTE_BLOCK_SIZES[0] + 1,), "int32"),
@@ -142,12 +144,11 @@ def scratch_layout(*, num_experts: int, hidden: int, intermediate: int, topk: in
     return ScratchLayout(tuple(buffers), -(-off // ARENA_ALIGN) * ARENA_ALIGN)
 
 
-def int_args(*, m: int, topk: int, capacity: int, shared_hidden_vectors: bool,
-             max_blocks: int) -> dict[str, int]:
-    """The Int32 arguments of a call with `m` tokens: `max_blocks` (the plan's block bound
-    at m, which sizes the grid), and the row capacities whose last row is the nominal zero
-    row of the GEMMs' A operands."""
-    routes_cap = capacity * topk
+def int_args(spec, *, m: int, capacity: int, max_blocks: int) -> dict[str, int]:
+    """The Int32 arguments of a call with `m` tokens to a layer of `spec`'s shape planned
+    for `capacity`: `max_blocks` (the plan's block bound at m, which sizes the grid), and
+    the row capacities whose last row is the nominal zero row of the GEMMs' A operands."""
+    routes_cap = capacity * spec.topk
     return {"m": m, "max_blocks": max_blocks,
-            "rows_cap": capacity if shared_hidden_vectors else routes_cap,
+            "rows_cap": capacity if spec.shared_hidden_vectors else routes_cap,
             "routes_cap": routes_cap}

@@ -27,7 +27,6 @@ graph replays against eager forwards of the same arena yourself.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -36,12 +35,13 @@ from . import trellis
 from .compile_cache import default_cache
 from .compiler import ForwardPlan, plan_forward
 from .environment import ConfigurationError, check_environment
-from .kernels.moe import ARG_NAMES, MoESpec
+from .kernels.launch import ARGS, ScratchLayout, int_args, scratch_layout
+from .kernels.moe import MoESpec
 from .planners import resolve_env
-from .planners.policy import padded_route_slots
 from .weights import MoEWeights
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "int32": torch.int32, "int16": torch.int16, "uint8": torch.uint8}
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -49,54 +49,6 @@ def _dtype_name(dt: torch.dtype) -> str:
         if v == dt:
             return k
     raise ValueError(f"unsupported activation dtype {dt} (use torch.bfloat16 or torch.float16)")
-
-
-@dataclass(frozen=True)
-class ScratchLayout:
-    """Byte offset, size, shape and dtype of every scratch buffer in the shared arena."""
-
-    offsets: dict
-    sizes: dict
-    shapes: dict
-    dtypes: dict
-    nbytes: int
-
-
-def scratch_layout(spec: MoESpec, capacity: int, max_slots: int) -> ScratchLayout:
-    E, H, I, k = spec.num_experts, spec.hidden, spec.intermediate, spec.topk
-    n = capacity * k
-    rows = capacity if spec.shared_hidden_vectors else n
-    bufs = [
-        ("sorted_routes", (max_slots,), torch.int32),
-        ("block_expert", (max_slots // 8 + 1,), torch.int32),
-        ("num_padded", (4,), torch.int32),
-        ("expert_offsets", (E + 1,), torch.int32),
-        ("expert_counts", (E,), torch.int32),
-        ("xg", (rows + 1, H), torch.float16),
-        ("xu", (rows + 1, H), torch.float16),
-        ("g", (n, I), torch.float32),
-        ("u", (n, I), torch.float32),
-        ("a2", (n + 1, I), torch.float16),
-        ("y", (n, H), torch.float32),
-    ]
-    offsets, sizes, shapes, dtypes, off = {}, {}, {}, {}, 0
-    for name, shape, dt in bufs:
-        off = (off + 255) // 256 * 256
-        numel = 1
-        for s in shape:
-            numel *= s
-        offsets[name], shapes[name], dtypes[name] = off, shape, dt
-        sizes[name] = numel * torch.empty((), dtype=dt).element_size()
-        off += sizes[name]
-    return ScratchLayout(offsets, sizes, shapes, dtypes, (off + 255) // 256 * 256)
-
-
-def plan_scratch(base: MoESpec, capacity: int, block_ms) -> ScratchLayout:
-    """The one arena every plan of a layer shares: M-independent buffers sized once for
-    the capacity, the packed route list sized to the widest plan's bound (the max)."""
-    n = capacity * base.topk
-    slots = max(padded_route_slots(n, base.num_experts, m) for m in block_ms)
-    return scratch_layout(base, capacity, slots)
 
 
 def layer_spec(weights, *, topk: int, act_dtype: torch.dtype = torch.bfloat16,
@@ -147,7 +99,12 @@ class MoELayer:
                     else f"the weights' {weights.num_experts} experts")
             raise ValueError(f"topk must be an int in 1..{id_bound} ({what}), got {topk!r}")
         if weights.device.type != "cuda":
-            raise ValueError("MoELayer needs weights on a CUDA device")
+            raise ValueError(
+                f"MoELayer needs weights on a CUDA device (these are on {weights.device}). "
+                "Without a GPU, plan, describe and prewarm the layer instead: "
+                "spec = kquant_cute.layer_spec(weights, topk=...); "
+                "kquant_cute.plan_forward(spec, capacity=..., arch='sm_90').describe() or "
+                "kquant_cute.prewarm_plans(spec, archs=['sm_90'], capacity=...)")
         self.weights = weights
         self.device = weights.device
         self.capacity = capacity
@@ -167,21 +124,16 @@ class MoELayer:
         self.plan: ForwardPlan = plan_forward(base, capacity=capacity, arch=arch, env=env,
                                               cache=cache, banded=banded)
         self.plan.load()
-        self.scratch = plan_scratch(base, capacity, [s.block_m for s in self.plan.specs()])
+        self.scratch = scratch_layout(base, capacity=capacity, max_slots=self.plan.route_slots())
         self.stream_arenas = bool(stream_arenas)
         first = _Arena(self.scratch, capacity, weights.hidden, out_dtype, self.device)
         self._arenas = {torch.cuda.current_stream(self.device).cuda_stream: first}
         self._default_arena = first
         self.arena, self.output, self._views = first.buffer, first.output, first.views
-        w = weights
-        self._weight_tensors = {
-            "gate_trellis": w.gate_trellis, "up_trellis": w.up_trellis, "down_trellis": w.down_trellis,
-            "gate_suh": w.gate_suh, "up_suh": w.up_suh, "gate_svh": w.gate_svh, "up_svh": w.up_svh,
-            "down_suh": w.down_suh, "down_svh": w.down_svh,
-            # Not coupled: the kernels never read the sign pointers; any valid address.
-            "pre_signs": w.pre_signs if w.coupled else w.down_suh,
-            "post_signs": w.post_signs if w.coupled else w.down_suh,
-        }
+        # The launch contract names the weight arguments after MoEWeights' tensors.
+        self._weight_tensors = {a.name: getattr(weights, a.name) for a in ARGS if a.kind == "weight"}
+        if not weights.coupled:  # the kernels never read the sign pointers; any valid address
+            self._weight_tensors.update(pre_signs=weights.down_suh, post_signs=weights.down_suh)
         for name, t in self._weight_tensors.items():
             if not t.is_contiguous() or t.data_ptr() % 16:
                 raise ValueError(f"weights.{name} must be contiguous and 16-byte aligned")
@@ -279,15 +231,8 @@ class MoELayer:
         tensors.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, out=out,
                        expert_map=expert_map if expert_map is not None else self._no_map,
                        codebook_table=self._table)
-        n = self.capacity * self.topk
-        slots = padded_route_slots(m * self.topk, self.weights.num_experts, plan.spec.block_m)
-        ints = {
-            "m": m,
-            "max_blocks": slots // plan.spec.block_m,
-            "rows_cap": self.capacity if plan.spec.shared_hidden_vectors else n,
-            "routes_cap": n,
-            "sm_count": self._sm_count,
-        }
+        ints = int_args(plan.spec, m=m, capacity=self.capacity, max_blocks=self.plan.max_blocks(m),
+                        sm_count=self._sm_count)
         return BoundForward(plan, tensors, ints, out, arena, self._stream_key())
 
     def _stream_key(self):
@@ -306,9 +251,9 @@ class _Arena:
         self.buffer = torch.zeros(scratch.nbytes, dtype=torch.uint8, device=device)
         self.output = torch.empty((capacity, hidden), dtype=out_dtype, device=device)
         self.views = {}
-        for name in scratch.offsets:
-            raw = self.buffer[scratch.offsets[name]: scratch.offsets[name] + scratch.sizes[name]]
-            self.views[name] = raw.view(scratch.dtypes[name]).view(scratch.shapes[name])
+        for buf in scratch.buffers:
+            raw = self.buffer[buf.offset: buf.offset + buf.nbytes]
+            self.views[buf.name] = raw.view(_TORCH_DTYPES[buf.dtype]).view(buf.shape)
         self.last_stream: Optional[int] = None
         self.done: Optional[torch.cuda.Event] = None
 
@@ -351,11 +296,11 @@ class BoundForward:
         if self._empty:
             self._args = args
             return
-        for name, dt in ARG_NAMES:
-            if dt is None:
-                args.append(cutlass.Int32(ints[name]))
+        for a in ARGS:
+            if a.dtype is None:
+                args.append(cutlass.Int32(ints[a.name]))
             else:
-                args.append(make_ptr(dsl_dtype(dt, plan.spec), tensors[name].data_ptr(),
+                args.append(make_ptr(dsl_dtype(a.dtype, plan.spec), tensors[a.name].data_ptr(),
                                      cute.AddressSpace.gmem, assumed_align=16))
         self._args = args
 

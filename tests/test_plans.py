@@ -297,7 +297,8 @@ def test_policy_bands_partition_the_band():
 
 
 def test_layer_scratch_is_the_max_of_both_plans() -> None:
-    from kquant_cute.layer import plan_scratch, scratch_layout
+    from kquant_cute.kernels.launch import ARGS, scratch_layout
+    from kquant_cute.layer import plan_scratch
     from kquant_cute.planners.policy import padded_route_slots
     from kquant_cute.prewarm import DEFAULT_GEOMETRY
 
@@ -305,13 +306,15 @@ def test_layer_scratch_is_the_max_of_both_plans() -> None:
     cap = 8192
     n = cap * base.topk
     both = plan_scratch(base, cap, [8, 64])
-    decode_only = scratch_layout(base, cap, padded_route_slots(n, base.num_experts, 8))
-    wide_only = scratch_layout(base, cap, padded_route_slots(n, base.num_experts, 64))
+    decode_only = scratch_layout(base, capacity=cap, max_slots=padded_route_slots(n, base.num_experts, 8))
+    wide_only = scratch_layout(base, capacity=cap, max_slots=padded_route_slots(n, base.num_experts, 64))
     assert both.nbytes == max(decode_only.nbytes, wide_only.nbytes)
-    assert both.shapes["sorted_routes"][0] == max(padded_route_slots(n, base.num_experts, m) for m in (8, 64))
+    assert both["sorted_routes"].shape[0] == max(padded_route_slots(n, base.num_experts, m) for m in (8, 64))
     # Block ids: enough for the narrowest plan's block count.
-    assert both.shapes["block_expert"][0] * 8 >= both.shapes["sorted_routes"][0]
-    # Buffers never overlap.
-    spans = sorted((both.offsets[k], both.offsets[k] + both.sizes[k]) for k in both.offsets)
+    assert both["block_expert"].shape[0] * 8 >= both["sorted_routes"].shape[0]
+    # Buffers never overlap, and each is 256-byte aligned.
+    spans = sorted((b.offset, b.offset + b.nbytes) for b in both.buffers)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
-
+    assert all(b.offset % 256 == 0 for b in both.buffers)
+    # Every scratch argument of the entry point is a buffer of the layout, and only those.
+    assert {a.name for a in ARGS if a.kind == "scratch"} == set(both.names)
