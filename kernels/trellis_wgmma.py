@@ -10,9 +10,8 @@ of `block_m` rows x 128-column N tile), computed transposed: out^T = W_hat^T A^T
   activation rows, n = its rows (no padding to 16). Row r of a 64-k stage is 128 bytes at
   r * 128, its 16-byte chunk c stored at chunk c ^ (r % 8), so the 8 threads of a quarter
   warp that copy one row's 128 global bytes hit 8 distinct bank groups. (Unswizzled
-  8 x 16-byte core matrices put all 8 in the same 4 banks: on the H200 the activation
-  copies then cost 0.65 ms of a 4,096-token forward, with the swizzle 0.14; 2026-11-30,
-  docs/benchmarks.md log entry 21.)
+  8 x 16-byte core matrices put all 8 in the same 4 banks, and the activation copies
+  then cost several times more: docs/benchmarks.md, log entry 21.)
 - Accumulators: two m64 x n fp32 tiles (output columns 0..63 and 64..127), n registers
   per thread (n = the work item's rows; two warpgroups above 64 rows, below).
 Spans (`span` > 1): one work item covers `span` consecutive route blocks of one expert
@@ -64,12 +63,11 @@ def a_stage_bytes(rows: int) -> int:
 
 def default_span(block_m: int) -> int:
     """The span a plan uses when none is pinned: 2 at M=32 (one warpgroup, 64 rows), else 1.
-    H200, 2026-11-30 (docs/benchmarks.md log entries 21-22 and design change 1): kernel
-    time at 1,536 tokens, M=32 x 1 / x 2: 1.536 / 1.475 ms (branch 8a8840a). Work items of
-    more than 64 rows (two warpgroups, 2-3 CTAs per SM) win at 4,096 tokens (whole layer,
-    M=48 x 2 2.574 ms vs M=64 x 1 2.962) but lose wherever few rows are real (512 tokens:
-    M=64 x 2 1.667 vs x 1 1.268), and the plan pair runs its capacity's M=64 from 257
-    tokens up."""
+    Two blocks per work item at M=32 decode each expert's weights half as often and measured
+    faster. Work items of more than 64 rows (two warpgroups, 2-3 CTAs per SM) win where
+    nearly every row is real but lose wherever few rows are, and the plan pair runs its
+    capacity's M=64 from 257 tokens up, so wider blocks keep span 1 (numbers:
+    docs/benchmarks.md, log entries 21-22 and design change 1)."""
     return 2 if block_m == 32 else 1
 
 

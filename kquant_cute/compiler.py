@@ -27,7 +27,8 @@ from .compile_cache import CompileCache, CompileCacheMiss, default_cache
 from .compile_cache.store import sweep_stale
 from .kernels import build as kbuild
 from .kernels.moe import MoESpec
-from .planners import GeometryVerdict, PlanEnv, arch_limits, check_resources, normalize_arch
+from .planners import (GeometryVerdict, PlanEnv, arch_limits, check_resources, normalize_arch,
+                       resolve_env)
 from .planners.plans import PlanPairLayout, plan_pair_layout
 from .planners.policy import ROUTE_BLOCK_SIZES, select_route_block_size_m
 
@@ -202,11 +203,14 @@ class ForwardPlan:
         return text
 
 
-def plan_forward(base: MoESpec, *, capacity: int, arch, env: PlanEnv,
+def plan_forward(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] = None,
                  cache: Optional[CompileCache] = None, banded: bool = False) -> ForwardPlan:
     """Plan (and compile through the cache) the decode / prefill pair for `base`'s shape;
-    with `banded`, also every accepted size between them (see `ForwardPlan`)."""
+    with `banded`, also every accepted size between them (see `ForwardPlan`). Needs no
+    GPU (objects are cross-compiled for `arch`); `env` defaults to the process
+    environment's plan knobs (`planners.resolve_env`)."""
     arch = normalize_arch(arch)
+    env = resolve_env() if env is None else env
     # The MMA kind resolves per arch, so every plan of the layer shares it (bitwise
     # equality across M); an "auto" span resolves per block size.
     base = base.replace(arch=arch)

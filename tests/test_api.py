@@ -1,0 +1,44 @@
+"""The public API of `import kquant_cute` (kquant_cute/__init__.py): lazy names, and planning /
+describing / prewarming a layer from Python on a machine without a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import kquant_cute
+
+
+def test_import_is_light_and_every_name_resolves():
+    code = ("import sys, kquant_cute as k; heavy = {'torch', 'cutlass'} & set(sys.modules);"
+            "assert not heavy, heavy; assert k.select_route_block_size_m(1536, 16, 896) == 32;"
+            "assert not {'torch', 'cutlass'} & set(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    for name in kquant_cute.__all__:
+        assert getattr(kquant_cute, name) is not None, name
+    assert set(kquant_cute.__all__) <= set(dir(kquant_cute))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        kquant_cute.nope  # noqa: B018
+
+
+def test_plan_describe_and_prewarm_without_a_gpu(tmp_path):
+    import torch
+
+    k = kquant_cute
+    weights = k.MoEWeights.random(8, 256, 256, 4, "mcg", shared_hidden_vectors=True, seed=0)
+    assert weights.device.type == "cpu"
+    with pytest.raises(ValueError, match="plan_forward") as info:
+        k.MoELayer(weights, topk=2, capacity=64)
+    assert "prewarm" in str(info.value)
+    spec = k.layer_spec(weights, topk=2, act_dtype=torch.bfloat16, activation="situ")
+    assert (spec.num_experts, spec.hidden, spec.bits, spec.activation) == (8, 256, 4, "situ")
+    cache = k.CompileCache(tmp_path / "cache")
+    plan = k.plan_forward(spec, capacity=64, arch="sm_120", env=k.resolve_env({}), cache=cache)
+    text = plan.describe()
+    assert "capacity 64 tokens" in text and "M=8" in text and "mma.sync" in text
+    (arch,) = k.prewarm_plans(spec, archs=["sm_120"], capacity=64, env=k.resolve_env({}),
+                              cache=cache)
+    assert [(r.block_m, r.role, r.status) for r in arch.records] == [(8, "decode", "cached")]
+    assert arch.describe().startswith("[sm_120a]")
