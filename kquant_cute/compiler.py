@@ -30,7 +30,8 @@ from .kernels.moe import MoESpec
 from .planners import (GeometryVerdict, PlanEnv, arch_limits, check_resources, normalize_arch,
                        resolve_env)
 from .planners.plans import PlanPairLayout, plan_pair_layout
-from .planners.policy import ROUTE_BLOCK_SIZES, select_route_block_size_m
+from .planners.policy import (ROUTE_BLOCK_SIZES, max_route_blocks, padded_route_slots,
+                              select_route_block_size_m)
 
 KERNEL_NAME = "w4a16_trellis_moe"
 _GEMM_NAMES = {"sync": "mma.sync", "wgmma": "async wgmma"}
@@ -187,6 +188,19 @@ class ForwardPlan:
         want = select_route_block_size_m(m, self.layout.topk, self.layout.num_experts)
         fits = [b for b in self.bands if b <= want]
         return self.bands[max(fits)] if fits else self.decode
+
+    def max_blocks(self, m: int) -> int:
+        """The route-block bound of a call with `m` tokens at the M it binds: the grid
+        size of that launch (`planners.policy.max_route_blocks`)."""
+        return max_route_blocks(m * self.layout.topk, self.layout.num_experts,
+                                self.plan_for(m).spec.block_m)
+
+    def route_slots(self) -> int:
+        """The packed-route bound at the capacity over every plan's M: the one scratch
+        arena's route list serves them all."""
+        n = self.layout.capacity * self.layout.topk
+        return max(padded_route_slots(n, self.layout.num_experts, s.block_m)
+                   for s in self.specs())
 
     def load(self) -> None:
         for p in [self.decode, self.prefill, *self.bands.values()]:

@@ -296,20 +296,29 @@ def test_policy_bands_partition_the_band():
                 assert nxt[0] == b + 1 and nxt[2] > size
 
 
-def test_layer_scratch_is_the_max_of_both_plans() -> None:
+def test_layer_scratch_is_the_max_of_both_plans(tmp_path) -> None:
+    """The plan owns the route bounds the layer allocates and launches with: the scratch
+    route list is the max over its plans' M at the capacity, a call's grid is the bound at
+    its own m and the M it binds; the arena holds every scratch argument, aligned."""
+    from kquant_cute.compile_cache import CompileCache
+    from kquant_cute.compiler import plan_forward
     from kquant_cute.kernels.launch import ARGS, scratch_layout
-    from kquant_cute.layer import plan_scratch
-    from kquant_cute.planners.policy import padded_route_slots
+    from kquant_cute.planners.policy import max_route_blocks, padded_route_slots
     from kquant_cute.prewarm import DEFAULT_GEOMETRY
 
-    base = DEFAULT_GEOMETRY
+    base = DEFAULT_GEOMETRY.replace(hidden=256, intermediate=256)
     cap = 8192
     n = cap * base.topk
-    both = plan_scratch(base, cap, [8, 64])
+    plan = plan_forward(base, capacity=cap, arch="sm_120", env=resolve_env({}),
+                        cache=CompileCache(tmp_path))
+    assert sorted(s.block_m for s in plan.specs()) == [8, 64]
+    assert plan.route_slots() == max(padded_route_slots(n, base.num_experts, m) for m in (8, 64))
+    assert plan.max_blocks(100) == max_route_blocks(100 * 16, 896, 8)
+    assert plan.max_blocks(4000) == max_route_blocks(4000 * 16, 896, 64)
+    both = scratch_layout(base, capacity=cap, max_slots=plan.route_slots())
     decode_only = scratch_layout(base, capacity=cap, max_slots=padded_route_slots(n, base.num_experts, 8))
     wide_only = scratch_layout(base, capacity=cap, max_slots=padded_route_slots(n, base.num_experts, 64))
     assert both.nbytes == max(decode_only.nbytes, wide_only.nbytes)
-    assert both["sorted_routes"].shape[0] == max(padded_route_slots(n, base.num_experts, m) for m in (8, 64))
     # Block ids: enough for the narrowest plan's block count.
     assert both["block_expert"].shape[0] * 8 >= both["sorted_routes"].shape[0]
     # Buffers never overlap, and each is 256-byte aligned.
