@@ -97,8 +97,10 @@ def decode_kernel() -> None:
     import torch
     from cutlass.cute.runtime import make_ptr
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_probe import compile_decode
+
     from kquant_cute import trellis
-    from kquant_cute.kernels.build import compile_decode
 
     k_dim, n_dim, n_exp = 256, 256, 3
     codes = torch.stack([trellis.random_trellis(k_dim, n_dim, 4) for _ in range(n_exp)]).cuda()
@@ -111,8 +113,10 @@ def decode_kernel() -> None:
     def P(t, dt):
         return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
+    table = torch.zeros(16, dtype=torch.uint8, device="cuda")  # mcg reads no state table
     fn(P(codes, cutlass.Int16), P(experts, cutlass.Int32), P(out, cutlass.Uint32),
-       cutlass.Int32(2), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+       P(table, cutlass.Uint8), cutlass.Int32(2), cutlass.Int32(1),
+       cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
     print("ran TrellisDecode", flush=True)
 
