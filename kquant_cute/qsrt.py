@@ -19,10 +19,11 @@ This module owns everything about how a QSRT layer is stored and sliced:
 Facts come from the public kquant / pedapudi/qsrt (``qsrt_atoms_v2.py``,
 ``pack/qsrt_atoms_v2.py``, ``qsrt_coupled.py``), b12x (``btx_compat.py``, ``btx.py``,
 ``qsrt_sharding.py``) and vLLM-fork (``kquant_qsrt_atoms_v2.py``) sources. Only the uniform
-K=2 coupled production profile ``k2_coupled_h512_h128`` loads today; the other known profiles
-parse and are refused by name. Mixed rates (per-record K) later: the bundle layout is computed
-from per-atom ``(low, high)`` record bits (:func:`matrix_atom_bytes`), so a per-record rate
-table slots in where :meth:`Profile.uniform_bits` is used.
+K=2 coupled production profile ``k2_coupled_h512_h128`` loads into
+:class:`~kquant_cute.weights.MoEWeights`; the mixed-rate H308 profiles ``k3x22_k4x2`` and
+``k3x22_k4x2_coupled_h512_h128`` load into :class:`~kquant_cute.mixed.MixedMoEWeights` (per-tile
+K), with their rate maps, bundle layouts and rank extents owned by :mod:`kquant_cute.qsrt_mixed`.
+For mixed profiles :class:`QSRTLayer` holds every tile padded to K=4 words (the first 16K used).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from . import qsrt_mixed as qm
 from . import trellis as tc
+from .mixed import MixedMoEWeights
 from .weights import MoEWeights
 
 __all__ = [
@@ -162,15 +165,12 @@ class Profile:
 PRODUCTION_PROFILE = "k2_coupled_h512_h128"
 
 PROFILES: dict[str, Profile] = {
-    "k3x22_k4x2": Profile(
-        "k3x22_k4x2", 2, 0x33, False, None, False,
-        "mixed rates (22 K3 + 2 K4 records per expert, P43 pairs placed by the per-expert "
-        "pair rotation) need per-record K, which the toolkit's weights do not carry yet"),
+    # Mixed rates: 22 K3 + 2 K4 records per expert, P43 pairs placed by the per-expert pair
+    # rotation (uncoupled) or static (coupled); see kquant_cute.qsrt_mixed.
+    "k3x22_k4x2": Profile("k3x22_k4x2", 2, 0x33, False, None, True),
     PRODUCTION_PROFILE: Profile(PRODUCTION_PROFILE, 3, 0x44, True, 2, True),
-    "k3x22_k4x2_coupled_h512_h128": Profile(
-        "k3x22_k4x2_coupled_h512_h128", 4, 0x33, True, None, False,
-        "mixed-rate coupled storage (variable-stride record-pair extents, P43 records "
-        "stored K4-first) needs per-record K, which the toolkit's weights do not carry yet"),
+    "k3x22_k4x2_coupled_h512_h128": Profile("k3x22_k4x2_coupled_h512_h128", 4, 0x33, True,
+                                            None, True),
 }
 _PROFILE_BY_ID = {p.profile_id: p for p in PROFILES.values()}
 
@@ -187,7 +187,7 @@ def _supported(profile: Profile, path: Any = None) -> Profile:
         raise _fail(
             path,
             f"QSRT profile {profile.name!r} (id {profile.profile_id}) is recognised but not "
-            f"supported: {profile.reason}; only {PRODUCTION_PROFILE!r} loads today",
+            f"supported: {profile.reason}",
         )
     return profile
 
@@ -292,6 +292,8 @@ def _header_metadata(layer: int, profile: Profile, geometry: Geometry) -> dict[s
         bits = profile.uniform_bits
         meta["atom_slot_stride_bytes"] = str(geometry.row_stride(bits))
         meta[f"p{bits}{bits}_atom_bundle_bytes"] = str(bundle_bytes(geometry.hidden, bits))
+    else:
+        meta.update(qm.header_metadata(profile.name, e, geometry.hidden, layer))
     if profile.coupled:
         meta["residual_hadamard_block_size"] = str(RESIDUAL_BLOCK)
         meta["preactivation_hadamard_block_size"] = str(PRE_BLOCK)
@@ -378,6 +380,12 @@ def rank_extent(
     """
     prof = _supported(_profile(profile))
     _check_layer_index(layer)
+    if prof.uniform_bits is None:
+        try:
+            m = qm.mixed_extent(prof.name, geometry.atom_slots, layer, tp_size, tp_rank)
+        except ValueError as exc:
+            raise QSRTFormatError(str(exc)) from None
+        return RankExtent(tp_size, tp_rank, m.first_atom, m.atom_count, m.atom_count)
     for name, v in (("tp_size", tp_size), ("tp_rank", tp_rank)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise QSRTFormatError(f"{name} must be an int, got {v!r}")
@@ -494,6 +502,9 @@ class QSRTLayer:
         prof = _supported(_profile(self.profile))
         g, bits = self.geometry, prof.uniform_bits
         e, h16, i16 = g.num_experts, g.hidden // tc.TILE, g.intermediate // tc.TILE
+        if bits is None:
+            _check_mixed_geometry(prof, g)
+            bits = MIXED_TILE_BITS
         expected = {
             "fc1": (torch.int16, (e, h16, 2 * i16, tc.TILE * bits)),
             "fc1_svh": (torch.float16, (e, 2 * g.intermediate)),
@@ -511,11 +522,31 @@ class QSRTLayer:
                 got = (f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor)
                        else type(t).__name__)
                 raise QSRTFormatError(f"QSRTLayer.{name} must be {dtype} {shape}, got {got}")
+        if prof.uniform_bits is None:
+            for name in ("fc1", "fc2"):
+                words = getattr(self, name)
+                k = self.tile_bits(name)
+                k = k[None, None, :, None] if name == "fc1" else k[None, :, None, None]
+                if bool((words.masked_select(torch.arange(words.shape[-1]) >= 16 * k) != 0).any()):
+                    raise QSRTFormatError(f"QSRTLayer.{name}: nonzero words past a tile's 16K")
+
+    def tile_bits(self, family: str) -> torch.Tensor:
+        """uint8 [tiles] K of each logical FC1 column tile (``fc1``) or FC2 row tile."""
+        prof = PROFILES[self.profile]
+        i16 = self.geometry.intermediate // tc.TILE
+        n = 2 * i16 if family == "fc1" else i16
+        if prof.uniform_bits is not None:
+            return torch.full((n,), prof.uniform_bits, dtype=torch.uint8)
+        return torch.tensor([qm.logical_tile_bits(family, j, i16) for j in range(n)],
+                            dtype=torch.uint8)
 
     # -- the file's atom bundles --------------------------------------------------------
 
     def atom_rows(self) -> torch.Tensor:
-        """uint8 [atom_slots, stride]: the ``qsrt_atoms`` tensor of this layer."""
+        """uint8 [atom_slots, stride]: the ``qsrt_atoms`` tensor of this layer (mixed coupled
+        profile: 1-D, each row 4 KiB aligned)."""
+        if PROFILES[self.profile].uniform_bits is None:
+            return _mixed_atom_tensor(self)
         g = self.geometry
         bits = PROFILES[self.profile].uniform_bits
         e, a, h16 = g.num_experts, g.atom_slots, g.hidden // tc.TILE
@@ -547,9 +578,16 @@ class QSRTLayer:
         out[: raw.numel()] = raw.reshape(-1)
         return out
 
-    def rank(self, tp_size: int, tp_rank: int, *, pad: bool = True) -> MoEWeights:
+    def rank(self, tp_size: int, tp_rank: int, *,
+             pad: bool = True) -> MoEWeights | MixedMoEWeights:
         """The :class:`MoEWeights` of one rank, sliced in memory (same as :func:`load_layer`)."""
         ext = rank_extent(self.profile, self.geometry, self.layer, tp_size, tp_rank, pad=pad)
+        if PROFILES[self.profile].uniform_bits is None:
+            flat = self.atom_rows().reshape(-1)
+            return _mixed_rank_weights(self.profile, self.geometry, self.layer, ext,
+                                       _mixed_split_rows(self.profile, self.geometry, self.layer,
+                                                         ext, flat, 0),
+                                       self.w1_suh, self.w3_suh, self.w2_svh, self.draws)
         rows = self.atom_rows()[ext.first_atom: ext.first_atom + ext.atom_count]
         return _rank_weights(self.profile, self.geometry, self.layer, ext, rows,
                              self.w1_suh, self.w3_suh, self.w2_svh, self.draws)
@@ -614,6 +652,140 @@ def _rank_weights(
         codebook=CODEBOOK, profile=profile, rotation_draws=draws.clone(),
         pre_signs=pre, post_signs=post,
     )
+
+
+# --------------------------------------------------------------------------------------
+# Mixed-rate (H308) bundles
+# --------------------------------------------------------------------------------------
+
+#: Words per tile of a mixed layer's tile form (K=4, the widest record).
+MIXED_TILE_BITS = 4
+
+
+def _check_mixed_geometry(prof: Profile, g: Geometry, path: Any = None) -> None:
+    want = qm.RECORDS * qm.RECORD_CHANNELS
+    if g.intermediate != want:
+        raise _fail(path, f"profile {prof.name}: intermediate {g.intermediate} is not the "
+                          f"{want} channels ({qm.RECORDS} records) its placement rule covers")
+
+
+def _mixed_atom_tensor(layer: "QSRTLayer") -> torch.Tensor:
+    """The ``qsrt_atoms`` tensor of a mixed layer (2-D fixed stride, or 1-D coupled)."""
+    g, name = layer.geometry, layer.profile
+    i16 = g.intermediate // tc.TILE
+    rows = qm.row_layouts(name, g.num_experts, g.hidden, layer.layer)
+    out = []
+    for row in rows:
+        buf = torch.zeros(row.row_bytes, dtype=torch.uint8)
+        for e in range(g.num_experts):
+            kinds = row.kinds[e]
+            planes, spans = [], []
+            for m, pair in enumerate(qm.bundle_sources(name, layer.layer, e, row.atom, i16)):
+                kind_bits = qm.PAIR_KIND_BITS[kinds[0 if m < 2 else 1]]
+                for side, (family, tile) in enumerate(pair):
+                    k = kind_bits[side]
+                    if qm.logical_tile_bits(family, tile, i16) != k:  # pragma: no cover
+                        raise AssertionError("placement and record schedule disagree")
+                    if family == "fc1":
+                        planes.append(layer.fc1[e, :, tile, : 16 * k])
+                        spans.append(layer.fc1_svh[e, 16 * tile: 16 * tile + 16])
+                    else:
+                        planes.append(layer.fc2[e, tile, :, : 16 * k])
+                        spans.append(layer.fc2_suh[e, 16 * tile: 16 * tile + 16])
+            raw = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in planes] +
+                            [torch.cat(spans).contiguous().view(torch.uint8)])
+            buf[row.offsets[e]: row.offsets[e] + raw.numel()] = raw
+        out.append(buf)
+    if name == qm.UNCOUPLED:
+        return torch.stack(out)
+    return torch.cat(out)
+
+
+def _mixed_split_rows(profile: str, g: Geometry, layer: int, ext: RankExtent,
+                      flat: torch.Tensor, base: int) -> dict[int, torch.Tensor]:
+    """Atom rows of ``ext`` from ``flat`` bytes that start at atom-tensor offset ``base``."""
+    rows = qm.row_layouts(profile, g.num_experts, g.hidden, layer)
+    out = {}
+    for a in range(ext.first_atom, ext.first_atom + ext.atom_count):
+        start = qm.row_offset(profile, rows, a) - base
+        out[a] = flat[start: start + rows[a].row_bytes]
+    return out
+
+
+def _mixed_check_rows(path: Any, profile: str, g: Geometry, layer: int,
+                      rows: dict[int, torch.Tensor]) -> None:
+    layouts = qm.row_layouts(profile, g.num_experts, g.hidden, layer)
+    for a, row in rows.items():
+        tail = row[layouts[a].payload:]
+        if bool((tail != 0).any()):
+            raise _fail(path, f"atom row {a} has nonzero padding after its "
+                              f"{layouts[a].payload} bundle bytes")
+        for e in range(g.num_experts):
+            spans = _mixed_bundle(row, layouts[a], e, g.hidden)[1]
+            if not bool(torch.isfinite(spans).all()):
+                raise _fail(path, f"atom {a}, expert {e}: non-finite svh/suh span")
+
+
+def _mixed_bundle(row: torch.Tensor, layout: "qm.RowLayout", e: int,
+                  hidden: int) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    """One bundle: ``planes[section][side]`` int16 [H/16, 16K] and spans fp16 [3, 2, 16]."""
+    h16 = hidden // tc.TILE
+    cursor = layout.offsets[e]
+    planes = []
+    for m in range(3):
+        bits = qm.PAIR_KIND_BITS[layout.kinds[e][0 if m < 2 else 1]]
+        pair = []
+        for k in bits:
+            n = h16 * tc.TILE * k * 2
+            pair.append(row[cursor: cursor + n].clone().view(torch.int16).reshape(h16, 16 * k))
+            cursor += n
+        planes.append(pair)
+    spans = row[cursor: cursor + 3 * SPAN_BYTES].clone().view(torch.float16).reshape(3, 2, 16)
+    return planes, spans
+
+
+def _mixed_rank_weights(
+    profile: str, g: Geometry, layer: int, ext: RankExtent, rows: dict[int, torch.Tensor],
+    w1_suh: torch.Tensor, w3_suh: torch.Tensor, w2_svh: torch.Tensor, draws: torch.Tensor,
+) -> MixedMoEWeights:
+    """One rank's MixedMoEWeights from its atom rows (validated by the caller)."""
+    layouts = qm.row_layouts(profile, g.num_experts, g.hidden, layer)
+    src = qm.rank_sources(profile, qm.MixedExtent(ext.tp_size, ext.tp_rank, ext.first_atom,
+                                                  ext.atom_count))
+    e, h16, n = g.num_experts, g.hidden // tc.TILE, len(src["down"])
+    kw = tc.TILE * MIXED_TILE_BITS
+    tiles = {"gate": torch.zeros(e, h16, n, kw, dtype=torch.int16),
+             "up": torch.zeros(e, h16, n, kw, dtype=torch.int16),
+             "down": torch.zeros(e, n, h16, kw, dtype=torch.int16)}
+    vecs = {name: torch.zeros(e, 16 * n, dtype=torch.float16) for name in ("gate", "up", "down")}
+    bits = {"fc1": torch.zeros(e, n, dtype=torch.uint8), "fc2": torch.zeros(e, n, dtype=torch.uint8)}
+    for x in range(e):
+        cache = {a: _mixed_bundle(rows[a], layouts[a], x, g.hidden) for a in rows}
+        for name, family in (("gate", "fc1"), ("up", "fc1"), ("down", "fc2")):
+            for j, (atom, section, side) in enumerate(src[name]):
+                planes, spans = cache[atom]
+                words = planes[section][side]
+                k = words.shape[1] // tc.TILE
+                if name == "down":
+                    tiles[name][x, j, :, : 16 * k] = words
+                else:
+                    tiles[name][x, :, j, : 16 * k] = words
+                vecs[name][x, 16 * j: 16 * j + 16] = spans[section, side]
+                if name != "up":
+                    bits[family][x, j] = k
+    coupled = PROFILES[profile].coupled
+    extra: dict[str, Any] = {}
+    if coupled:
+        suh = w1_suh if ext.first_atom < g.half_slot else w3_suh
+        pre, post = coupled_signs(draws, g.intermediate, ext.first_atom, ext.atom_count)
+        extra = dict(gate_suh=suh.clone(), up_suh=suh.clone(), rotation_draws=draws.clone(),
+                     pre_signs=pre, post_signs=post)
+    else:
+        extra = dict(gate_suh=w1_suh.clone(), up_suh=w3_suh.clone())
+    return MixedMoEWeights.from_tiles(
+        tiles["gate"], tiles["up"], tiles["down"], bits["fc1"], bits["fc2"],
+        gate_svh=vecs["gate"], up_svh=vecs["up"], down_suh=vecs["down"], down_svh=w2_svh.clone(),
+        codebook=CODEBOOK, profile=profile, **extra)
 
 
 # --------------------------------------------------------------------------------------
@@ -719,11 +891,19 @@ def read_header(path: str | os.PathLike, *, layer: Optional[int] = None) -> Laye
                 raise _fail(p, f"{what}: header {key} is {meta.get(key)!r}, expected {want!r} "
                                f"for {prof.name} at {geometry}")
         bits = prof.uniform_bits
-        assert bits is not None
-        stride = geometry.row_stride(bits)
+        if bits is None:
+            _check_mixed_geometry(prof, geometry, p)
+            atom_shape = qm.atom_tensor_shape(prof.name, geometry.num_experts, geometry.hidden,
+                                              file_layer)
+            stride = atom_shape[1] if len(atom_shape) == 2 else 0
+            per_row = "mixed P33 / P43 / P44 bundles per row"
+        else:
+            stride = geometry.row_stride(bits)
+            atom_shape = [geometry.atom_slots, stride]
+            per_row = f"{geometry.num_experts} bundles of {bundle_bytes(geometry.hidden, bits)} B per row"
         shapes = {FORMAT_TENSOR: [FORMAT_SECTION_BYTES],
                   SHARED_SCALE_TENSOR: [SHARED_SCALE_SECTION_BYTES],
-                  ATOM_TENSOR: [geometry.atom_slots, stride]}
+                  ATOM_TENSOR: atom_shape}
         for name, shape in shapes.items():
             sl = handle.get_slice(name)
             if sl.get_dtype() != "U8":
@@ -732,9 +912,7 @@ def read_header(path: str | os.PathLike, *, layer: Optional[int] = None) -> Laye
                 what = ("wrong stride: " if name == ATOM_TENSOR
                         and sl.get_shape()[:1] == shape[:1] else "")
                 raise _fail(p, f"{what}tensor {name} has shape {sl.get_shape()}, expected "
-                               f"{shape} ({geometry.num_experts} bundles of "
-                               f"{bundle_bytes(geometry.hidden, bits)} B per row, "
-                               f"{STORAGE_ALIGNMENT}-aligned)")
+                               f"{shape} ({per_row}, {STORAGE_ALIGNMENT}-aligned)")
         fmt = handle.get_tensor(FORMAT_TENSOR)
         shared = handle.get_tensor(SHARED_SCALE_TENSOR)
     e = geometry.num_experts
@@ -765,6 +943,23 @@ def read_header(path: str | os.PathLike, *, layer: Optional[int] = None) -> Laye
             raise _fail(p, f"shared vector {name} has non-finite values")
     return LayerHeader(p, file_layer, prof.name, geometry, stride, codes, draws,
                        vecs[0].clone(), vecs[1].clone(), vecs[2].clone(), meta)
+
+
+def _read_mixed_rows(header: LayerHeader, ext: RankExtent) -> dict[int, torch.Tensor]:
+    """A mixed layer's atom rows of ``ext`` (only those bytes are read), validated."""
+    g = header.geometry
+    layouts = qm.row_layouts(header.profile, g.num_experts, g.hidden, header.layer)
+    begin = qm.row_offset(header.profile, layouts, ext.first_atom)
+    end = qm.row_offset(header.profile, layouts, ext.first_atom + ext.atom_count)
+    with _safe_open(header.path) as handle:
+        sl = handle.get_slice(ATOM_TENSOR)
+        if header.profile == qm.UNCOUPLED:
+            flat = sl[ext.first_atom: ext.first_atom + ext.atom_count].clone().reshape(-1)
+        else:
+            flat = sl[begin:end].clone()
+    rows = _mixed_split_rows(header.profile, g, header.layer, ext, flat, begin)
+    _mixed_check_rows(header.path, header.profile, g, header.layer, rows)
+    return rows
 
 
 def _read_rows(header: LayerHeader, first: int, count: int) -> torch.Tensor:
@@ -829,11 +1024,41 @@ def _check_manifest_profile(path_or_root: str | os.PathLike, header: LayerHeader
                                      f"manifest's {profile!r}")
 
 
+def _read_mixed_layer(h: LayerHeader) -> QSRTLayer:
+    """Every bundle of a mixed layer put back at its logical tile (tile form, K=4 words)."""
+    g = h.geometry
+    e, h16, i16, kw = g.num_experts, g.hidden // tc.TILE, g.intermediate // tc.TILE, \
+        tc.TILE * MIXED_TILE_BITS
+    rows = _read_mixed_rows(h, RankExtent(1, 0, 0, g.atom_slots, g.atom_slots))
+    layouts = qm.row_layouts(h.profile, e, g.hidden, h.layer)
+    fc1 = torch.zeros(e, h16, 2 * i16, kw, dtype=torch.int16)
+    fc2 = torch.zeros(e, i16, h16, kw, dtype=torch.int16)
+    svh = torch.zeros(e, 2 * g.intermediate, dtype=torch.float16)
+    suh = torch.zeros(e, g.intermediate, dtype=torch.float16)
+    for a, row in rows.items():
+        for x in range(e):
+            planes, spans = _mixed_bundle(row, layouts[a], x, g.hidden)
+            for m, pair in enumerate(qm.bundle_sources(h.profile, h.layer, x, a, i16)):
+                for side, (family, tile) in enumerate(pair):
+                    w = planes[m][side]
+                    if family == "fc1":
+                        fc1[x, :, tile, : w.shape[1]] = w
+                        svh[x, 16 * tile: 16 * tile + 16] = spans[m, side]
+                    else:
+                        fc2[x, tile, :, : w.shape[1]] = w
+                        suh[x, 16 * tile: 16 * tile + 16] = spans[m, side]
+    return QSRTLayer(layer=h.layer, profile=h.profile, geometry=g, fc1=fc1, fc1_svh=svh,
+                     fc2=fc2, fc2_suh=suh, w1_suh=h.w1_suh, w3_suh=h.w3_suh, w2_svh=h.w2_svh,
+                     format_codes=h.format_codes, draws=h.draws)
+
+
 def read_layer(path_or_root: str | os.PathLike, *, layer: Optional[int] = None) -> QSRTLayer:
     """The whole layer file as a :class:`QSRTLayer` (every atom row, validated)."""
     path, layer = _resolve(path_or_root, layer)
     h = read_header(path, layer=layer)
     _check_manifest_profile(path_or_root, h)
+    if PROFILES[h.profile].uniform_bits is None:
+        return _read_mixed_layer(h)
     rows = _read_rows(h, 0, h.geometry.atom_slots)
     g, bits = h.geometry, PROFILES[h.profile].uniform_bits
     parts = _bundles(rows, g, bits)
@@ -877,6 +1102,11 @@ def load_layer(
     h = read_header(path, layer=layer)
     _check_manifest_profile(path_or_root, h)
     ext = rank_extent(h.profile, h.geometry, h.layer, tp_size, tp_rank, pad=pad)
+    if PROFILES[h.profile].uniform_bits is None:
+        rows_by_atom = _read_mixed_rows(h, ext)
+        mixed = _mixed_rank_weights(h.profile, h.geometry, h.layer, ext, rows_by_atom,
+                                    h.w1_suh, h.w3_suh, h.w2_svh, h.draws)
+        return mixed if device is None else mixed.to(device)
     rows = _read_rows(h, ext.first_atom, ext.atom_count)
     w = _rank_weights(h.profile, h.geometry, h.layer, ext, rows, h.w1_suh, h.w3_suh,
                       h.w2_svh, h.draws)
@@ -891,8 +1121,10 @@ def load_layer(
 def _header_bytes(layer: QSRTLayer) -> bytes:
     g = layer.geometry
     meta = _header_metadata(layer.layer, PROFILES[layer.profile], g)
-    stride = g.row_stride(PROFILES[layer.profile].uniform_bits)
-    slab = g.atom_slots * stride
+    bits = PROFILES[layer.profile].uniform_bits
+    atom_shape = ([g.atom_slots, g.row_stride(bits)] if bits is not None else
+                  qm.atom_tensor_shape(layer.profile, g.num_experts, g.hidden, layer.layer))
+    slab = math.prod(atom_shape)
     doc = {
         "__metadata__": meta,
         FORMAT_TENSOR: {"dtype": "U8", "shape": [FORMAT_SECTION_BYTES],
@@ -900,7 +1132,7 @@ def _header_bytes(layer: QSRTLayer) -> bytes:
         SHARED_SCALE_TENSOR: {"dtype": "U8", "shape": [SHARED_SCALE_SECTION_BYTES],
                               "data_offsets": [FORMAT_SECTION_BYTES,
                                                FORMAT_SECTION_BYTES + SHARED_SCALE_SECTION_BYTES]},
-        ATOM_TENSOR: {"dtype": "U8", "shape": [g.atom_slots, stride],
+        ATOM_TENSOR: {"dtype": "U8", "shape": atom_shape,
                       "data_offsets": [ATOM_SLAB_OFFSET - HEADER_BYTES,
                                        ATOM_SLAB_OFFSET - HEADER_BYTES + slab]},
     }
@@ -947,7 +1179,9 @@ def _update_manifest(root: Path, layer: QSRTLayer, path: Path) -> None:
         doc = {
             "kind": MANIFEST_KIND, "schema_version": VERSION, "codec": "QSRT",
             "storage_schema": SCHEMA, "storage_format": "qsrt_atoms_v2",
-            "profile": layer.profile, "trellis_bits_per_weight": prof.uniform_bits,
+            "profile": layer.profile,
+            "trellis_bits_per_weight": (prof.uniform_bits if prof.uniform_bits is not None
+                                        else sum(qm.LOGICAL_RECORD_BITS) / qm.RECORDS),
             "tensor_parallel_independent": True, "layers": {},
         }
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -976,16 +1210,35 @@ def random_layer(
     g = geometry
     e = g.num_experts
     gen = torch.Generator().manual_seed(seed)
-    rms = float(tc.codebook_lut(CODEBOOK, bits).square().mean().sqrt())
+    if bits is None:   # mixed: tile form at K=4 words, each tile's codes at its record's K
+        _check_mixed_geometry(prof, g)
+        i16 = g.intermediate // tc.TILE
+        rms = float(tc.codebook_lut(CODEBOOK, 3).square().mean().sqrt())
 
-    def codes(rows: int, cols: int) -> torch.Tensor:
-        return torch.stack([tc.random_trellis(rows, cols, bits, gen) for _ in range(e)])
+        def codes(rows: int, cols: int) -> torch.Tensor:
+            full = torch.stack([tc.random_trellis(rows, cols, MIXED_TILE_BITS, gen)
+                                for _ in range(e)])
+            family = "fc1" if cols == 2 * g.intermediate else "fc2"
+            k = torch.tensor([qm.logical_tile_bits(family, j, i16)
+                              for j in range(full.shape[2 if family == "fc1" else 1])])
+            keep = torch.arange(full.shape[-1]) < 16 * (k[None, None, :, None] if family == "fc1"
+                                                       else k[None, :, None, None])
+            return full * keep
+    else:
+        rms = float(tc.codebook_lut(CODEBOOK, bits).square().mean().sqrt())
+
+        def codes(rows: int, cols: int) -> torch.Tensor:
+            return torch.stack([tc.random_trellis(rows, cols, bits, gen) for _ in range(e)])
 
     def vec(shape: tuple[int, ...], magnitude: float) -> torch.Tensor:
         sign = torch.randint(0, 2, shape, generator=gen).float() * 2 - 1
         return (sign * (torch.rand(shape, generator=gen) * 0.5 + 0.75) * magnitude).half()
 
-    if draws is None:
+    if not prof.coupled:
+        d = torch.zeros(e, dtype=torch.int64)
+        if draws is not None:
+            raise QSRTFormatError(f"profile {prof.name} is uncoupled: it has no rotation draws")
+    elif draws is None:
         d = torch.randint(0, MAX_DRAW + 1, (e,), generator=gen, dtype=torch.int64)
     else:
         d = torch.tensor(list(draws), dtype=torch.int64)

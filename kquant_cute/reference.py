@@ -8,7 +8,9 @@ This module owns:
   vectors the gate/up input rotations run once per token and FC2's output rotation once per
   token after the top-k sum), in float32 or float64, with an optional expert map for expert
   parallelism; for QSRT coupled weights (``weights.coupled``) the coupled transforms of the
-  ``k2_coupled_h512_h128`` profile, step by step (:func:`_coupled_moe`);
+  ``k2_coupled_h512_h128`` profile, step by step (:func:`_coupled_moe`); mixed-rate weights
+  (:class:`~kquant_cute.mixed.MixedMoEWeights`, per-tile K) go through the same math, each
+  expert's ``W_hat`` decoded record by record (:func:`decoded_weight`);
 * :func:`naive_moe` -- the same layer as a plain per-token, per-route loop over dense
   weights (``weights.expert(e)[name].dense()``; for coupled weights the dense expert matrices
   with every transform folded in, :func:`coupled_dense_expert`), the test oracle for
@@ -33,7 +35,10 @@ from . import trellis
 from .planners.policy import padded_route_slots
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from .mixed import MixedMoEWeights
     from .weights import MoEWeights
+
+    AnyWeights = MoEWeights | MixedMoEWeights
 
 __all__ = [
     "ACTIVATIONS",
@@ -43,6 +48,8 @@ __all__ = [
     "reference_moe",
     "naive_moe",
     "coupled_dense_expert",
+    "plain_dense_expert",
+    "decoded_weight",
     "RoutePack",
     "route_pack_reference",
 ]
@@ -179,6 +186,14 @@ def _check_moe_inputs(
     return local.to(x.device), act
 
 
+def decoded_weight(weights: "AnyWeights", proj: str, e: int) -> torch.Tensor:
+    """float32 ``W_hat`` of expert ``e``'s projection ``proj`` ([in, out]): one decode at the
+    layer's K, or for mixed-rate weights each run of equal-K tiles at its own K."""
+    if hasattr(weights, "fc1_bits"):
+        return weights.w_hat(proj, e)
+    return trellis.decode(getattr(weights, f"{proj}_trellis")[e], weights.codebook)
+
+
 def _per_expert(vec: torch.Tensor, e: int) -> torch.Tensor:
     """``vec[e]`` for a per-expert [E, n] vector, ``vec`` itself for a shared [n] one."""
     return vec if vec.dim() == 1 else vec[e]
@@ -231,7 +246,6 @@ def reference_moe(
         return _coupled_moe(x, local, topk_weights, weights, act, dtype)
     m, hidden = x.shape
     device = x.device
-    codebook = weights.codebook
     xw = x.to(dtype)
     rw = topk_weights.to(device=device, dtype=dtype)
 
@@ -241,8 +255,8 @@ def reference_moe(
     def rot_out(rows: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
         return trellis.rotate_blocks(rows, dim=-1) * svh.to(device=device, dtype=dtype)
 
-    def w_hat(t: torch.Tensor) -> torch.Tensor:
-        return trellis.decode(t, codebook).to(device=device, dtype=dtype)
+    def w_hat(proj: str, e: int) -> torch.Tensor:
+        return decoded_weight(weights, proj, e).to(device=device, dtype=dtype)
 
     shared_gate_in = weights.gate_suh.dim() == 1
     shared_up_in = weights.up_suh.dim() == 1
@@ -259,10 +273,10 @@ def reference_moe(
         wts = rw[tok, kk].unsqueeze(1)
         xg = xg_all[tok] if xg_all is not None else rot_in(xw[tok], weights.gate_suh[e])
         xu = xu_all[tok] if xu_all is not None else rot_in(xw[tok], weights.up_suh[e])
-        gate = rot_out(xg @ w_hat(weights.gate_trellis[e]), weights.gate_svh[e])
-        up = rot_out(xu @ w_hat(weights.up_trellis[e]), weights.up_svh[e])
+        gate = rot_out(xg @ w_hat("gate", e), weights.gate_svh[e])
+        up = rot_out(xu @ w_hat("up", e), weights.up_svh[e])
         h = rot_in(act(gate, up), weights.down_suh[e])
-        y1 = h @ w_hat(weights.down_trellis[e])
+        y1 = h @ w_hat("down", e)
         y = y1 if shared_down_out else rot_out(y1, weights.down_svh[e])
         acc.index_add_(0, tok, y * wts)
     if shared_down_out:
@@ -292,8 +306,9 @@ def naive_moe(
     dense: dict[int, dict[str, tuple[torch.Tensor, Optional[torch.Tensor]]]] = {}
 
     def layers(e: int) -> dict[str, tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        if e not in dense and weights.coupled:
-            mats = coupled_dense_expert(weights, e, dtype)
+        if e not in dense and (weights.coupled or hasattr(weights, "fc1_bits")):
+            build = coupled_dense_expert if weights.coupled else plain_dense_expert
+            mats = build(weights, e, dtype)
             dense[e] = {name: (w.to(x.device), None) for name, w in mats.items()}
         if e not in dense:
             mats = {}
@@ -365,8 +380,8 @@ def _coupled_moe(
     def vec(v: torch.Tensor) -> torch.Tensor:
         return v.to(device=device, dtype=dtype)
 
-    def w_hat(t: torch.Tensor) -> torch.Tensor:
-        return trellis.decode(t, weights.codebook).to(device=device, dtype=dtype)
+    def w_hat(proj: str, e: int) -> torch.Tensor:
+        return decoded_weight(weights, proj, e).to(device=device, dtype=dtype)
 
     h128 = trellis.rotate_blocks
     z = trellis.rotate_h512(x.to(dtype))                                   # 1
@@ -375,13 +390,13 @@ def _coupled_moe(
     for e in torch.unique(local[local >= 0]).tolist():
         tok, kk = (local == e).nonzero(as_tuple=True)
         a = a_all[tok]
-        raw = _interleave_atoms(a @ w_hat(weights.gate_trellis[e]),      # 3
-                                a @ w_hat(weights.up_trellis[e]))
+        raw = _interleave_atoms(a @ w_hat("gate", e),                    # 3
+                                a @ w_hat("up", e))
         svh = _interleave_atoms(vec(weights.gate_svh[e]), vec(weights.up_svh[e]))
         pre = h128(h128(raw) * svh) * vec(weights.pre_signs[e])          # 4
         h = act(pre[:, 0::2], pre[:, 1::2]) * vec(weights.post_signs[e])  # 5
         d = h128(h128(h) * vec(weights.down_suh[e]))                      # 6
-        y1 = h128(d @ w_hat(weights.down_trellis[e]))
+        y1 = h128(d @ w_hat("down", e))
         acc.index_add_(0, tok, y1 * rw[tok, kk].unsqueeze(1))
     return trellis.rotate_h512(acc * vec(weights.down_svh))
 
@@ -417,11 +432,11 @@ def coupled_dense_expert(
     def diag(v: torch.Tensor) -> torch.Tensor:
         return torch.diag(v.to(device="cpu", dtype=work))
 
-    def w_hat(t: torch.Tensor) -> torch.Tensor:
-        return trellis.decode(t.cpu(), weights.codebook).to(work)
+    def w_hat(proj: str) -> torch.Tensor:
+        return decoded_weight(weights, proj, e).cpu().to(work)
 
     h512 = blockdiag(512, hid)
-    both = torch.cat((w_hat(weights.gate_trellis[e]), w_hat(weights.up_trellis[e])), dim=1)
+    both = torch.cat((w_hat("gate"), w_hat("up")), dim=1)
     # Column j of [W0 | W1] lands at pre coordinate dest[j]: slot s, channel c -> 64*(c//32)
     # + 32*s + c%32.
     c = torch.arange(inter)
@@ -434,9 +449,34 @@ def coupled_dense_expert(
     a = (h512 @ diag(weights.gate_suh) @ blockdiag(128, hid) @ both @ perm @ h_pre
          @ torch.diag(svh) @ h_pre @ diag(weights.pre_signs[e]))
     down = (diag(weights.post_signs[e]) @ h_post @ diag(weights.down_suh[e]) @ h_post
-            @ w_hat(weights.down_trellis[e]) @ blockdiag(128, hid) @ diag(weights.down_svh)
+            @ w_hat("down") @ blockdiag(128, hid) @ diag(weights.down_svh)
             @ h512)
     return {"gate": a[:, 0::2].to(dtype), "up": a[:, 1::2].to(dtype), "down": down.to(dtype)}
+
+
+def plain_dense_expert(
+    weights: "AnyWeights", e: int, dtype: torch.dtype = torch.float64
+) -> dict[str, torch.Tensor]:
+    """Expert ``e`` of uncoupled weights as explicit matrices ``{"gate", "up"}`` [H, I] and
+    ``"down"`` [I, H]: ``W = diag(suh) H128 W_hat H128 diag(svh)`` per projection, built from
+    block-diagonal Sylvester matrices (not :func:`trellis.rotate_blocks`), so it checks the
+    factored :func:`reference_moe` independently of its rotation code."""
+    work = torch.float64
+
+    def blockdiag(n: int) -> torch.Tensor:
+        return torch.block_diag(*[_sylvester(128, work)] * (n // 128))
+
+    def diag(v: torch.Tensor) -> torch.Tensor:
+        return torch.diag(_per_expert(v, e).to(device="cpu", dtype=work))
+
+    out = {}
+    for proj in ("gate", "up", "down"):
+        w = decoded_weight(weights, proj, e).cpu().to(work)
+        suh = getattr(weights, f"{proj}_suh")
+        svh = getattr(weights, f"{proj}_svh")
+        out[proj] = (diag(suh) @ blockdiag(w.shape[0]) @ w @ blockdiag(w.shape[1])
+                     @ diag(svh)).to(dtype)
+    return out
 
 
 # --------------------------------------------------------------------------------------

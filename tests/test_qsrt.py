@@ -79,9 +79,9 @@ def test_bad_rank_requests_are_refused(tp, rank, match):
         qsrt.rank_extent(PROFILE, qsrt.KIMI_K3, 1, tp, rank)
 
 
-def test_unsupported_and_unknown_profiles_are_named():
-    with pytest.raises(qsrt.QSRTFormatError, match=r"'k3x22_k4x2' \(id 2\) is recognised but "
-                                                  r"not supported: mixed rates"):
+def test_mixed_tp8_and_unknown_profiles_are_named():
+    with pytest.raises(qsrt.QSRTFormatError, match=r"tp_size 8 is not supported for "
+                                                  r"'k3x22_k4x2'.*splits a record pair"):
         qsrt.rank_extent("k3x22_k4x2", qsrt.KIMI_K3, 1, 8, 0)
     with pytest.raises(qsrt.QSRTFormatError, match="unknown QSRT profile 'k2'"):
         qsrt.rank_extent("k2", qsrt.KIMI_K3, 1, 8, 0)
@@ -274,8 +274,9 @@ def _bad_cases(layer):
     wide = torch.zeros(rows.shape[0], rows.shape[1] + 4096, dtype=torch.uint8)
     wide[:, : rows.shape[1]] = rows
     return {
-        "unsupported profile": ({"meta": {"profile": "k3x22_k4x2", "profile_id": "2"}},
-                                r"'k3x22_k4x2' \(id 2\) is recognised but not supported"),
+        "other profile's layout": ({"meta": {"profile": "k3x22_k4x2", "profile_id": "2"}},
+                                   r"wrong stride: header atom_slot_stride_bytes is "
+                                   r"'\d+', expected '\d+' for k3x22_k4x2"),
         "unknown profile": ({"meta": {"profile": "k4_uniform"}}, "unknown QSRT profile"),
         "profile id": ({"meta": {"profile_id": "4"}},
                        r"has id 3, the header says 4 \(k3x22_k4x2_coupled_h512_h128\)"),
@@ -355,7 +356,9 @@ def test_manifest_and_layer_identity_errors(tmp_path, layer_file):
     other = json.loads((root / qsrt.MANIFEST_FILE).read_text())
     other["profile"] = "k3x22_k4x2"
     (tmp_path / qsrt.MANIFEST_FILE).write_text(json.dumps(other))
-    with pytest.raises(qsrt.QSRTFormatError, match="recognised but not supported"):
+    (tmp_path / path.name).write_bytes(path.read_bytes())
+    with pytest.raises(qsrt.QSRTFormatError, match="file profile 'k2_coupled_h512_h128' differs "
+                                                   "from the manifest's 'k3x22_k4x2'"):
         qsrt.load_layer(tmp_path, layer=3, tp_size=8, tp_rank=0)
 
 
