@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     geo.add_argument("--out-dtype", type=_dtype, default=g.out_dtype,
                      help=f"fp32, bf16 or fp16 (default {g.out_dtype})")
     geo.add_argument("--activation", default=g.activation, help=f"silu or situ (default {g.activation})")
+    geo.add_argument("--profile", default=None, metavar="NAME",
+                     help="a QSRT layer profile instead of --bits / --codebook: "
+                     "k2_coupled_h512_h128 (Kimi-K3's production profile: sqg_e4m3 K=2, coupled "
+                     "transforms); the mixed-rate profiles are refused with the reason")
     geo.add_argument("--per-expert-vectors", action="store_true",
                      help="per-expert hidden-side suh/svh (EXL3) instead of shared ones (Kimi-K3)")
     geo.add_argument("--expert-map", action="store_true", help="with a global->local expert map (EP)")
@@ -263,13 +267,40 @@ def format_entries(entries: Sequence[dict[str, Any]], directory: Optional[str]) 
 
 
 # -- main -------------------------------------------------------------------------------
+def _profile_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The MoESpec fields a `--profile` sets (none without one). The profile table is
+    `kquant_cute.qsrt.PROFILES`; a flag that contradicts the profile is a usage error."""
+    if args.profile is None:
+        return {"bits": args.bits, "codebook": args.codebook}
+    from . import qsrt
+
+    prof = qsrt.PROFILES.get(args.profile)
+    if prof is None:
+        raise _UsageError(f"--profile {args.profile}: unknown QSRT profile; known: "
+                          f"{', '.join(qsrt.PROFILES)}")
+    if prof.uniform_bits is None:
+        raise _UsageError(f"--profile {args.profile}: mixed record rates (per-record K) are not "
+                          "in the fused kernel yet; only uniform-rate profiles compile "
+                          f"({qsrt.PRODUCTION_PROFILE})")
+    g = DEFAULT_GEOMETRY
+    for flag, value, default, wanted in (("--bits", args.bits, g.bits, prof.uniform_bits),
+                                         ("--codebook", args.codebook, g.codebook, "sqg_e4m3")):
+        if value not in (default, wanted):
+            raise _UsageError(f"{flag} {value} contradicts --profile {args.profile} "
+                              f"({flag} {wanted})")
+    if prof.coupled and args.per_expert_vectors:
+        raise _UsageError(f"--per-expert-vectors contradicts --profile {args.profile} (coupled "
+                          "transforms need shared hidden-side vectors)")
+    return {"bits": prof.uniform_bits, "codebook": "sqg_e4m3", "coupled": prof.coupled}
+
+
 def _geometry(args: argparse.Namespace) -> MoESpec:
     return DEFAULT_GEOMETRY.replace(
         num_experts=args.experts, hidden=args.hidden, intermediate=args.intermediate,
-        topk=args.topk, bits=args.bits, codebook=args.codebook, act_dtype=args.act_dtype,
+        topk=args.topk, act_dtype=args.act_dtype,
         out_dtype=args.out_dtype, activation=args.activation,
         shared_hidden_vectors=not args.per_expert_vectors, has_expert_map=args.expert_map,
-        stages=args.stages,
+        stages=args.stages, **_profile_fields(args),
     )
 
 

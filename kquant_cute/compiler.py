@@ -143,6 +143,7 @@ def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> Geome
                             spills=k["stack"] + k["local"], threads=launches[k["kernel"]][0])
         if r is not None:
             reasons.append(f"{k['kernel']}: {r}")
+    reasons = list(dict.fromkeys(reasons))  # one line per distinct reason (gate/up/down alike)
     return GeometryVerdict(block_m=spec.block_m, ok=not reasons,
                            reason="; ".join(reasons) if reasons else None,
                            registers=extra.get("registers"), spills=extra.get("spill_bytes"),

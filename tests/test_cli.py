@@ -382,3 +382,24 @@ def test_progress_and_totals_explain_themselves(warm: dict[str, Any]) -> None:
     wall = float(line.split(" s wall since the process started")[0].rsplit(" ", 1)[1])
     # The process's real wall time (imports included: > 1 s here), not just the cache calls.
     assert 0.5 * outer <= wall <= outer + 0.05, (wall, outer, line)
+
+
+def test_profile_compiles_the_qsrt_production_layer(tmp_path: Path) -> None:
+    """--profile k2_coupled_h512_h128 = sqg_e4m3 K=2 with the coupled transforms; mixed-rate
+    profiles and contradicting flags are usage errors naming the flag."""
+    geo = ["--experts", "8", "--hidden", "512", "--intermediate", "256", "--topk", "2"]
+    rc, out, err = run_main(["--sm", "90", *geo, "--profile", "k2_coupled_h512_h128",
+                             "--cache-dir", str(tmp_path), "--json", "-q",
+                             "--capacity", "64"])
+    assert rc == 0, err
+    records = json.loads(out)
+    assert [r["status"] for r in records] == ["compiled"]  # capacity 64: the decode plan only
+    assert "_k2_sqg_e4m3_" in records[0]["kernel"] and "_cpl_" in records[0]["kernel"]
+    rc, _, err = run_main(["--sm", "90", *geo, "--profile", "k3x22_k4x2",
+                           "--cache-dir", str(tmp_path)])
+    assert rc == 2 and "--profile k3x22_k4x2: mixed record rates" in err
+    rc, _, err = run_main(["--sm", "90", *geo, "--profile", "k2_coupled_h512_h128", "--bits", "3",
+                           "--cache-dir", str(tmp_path)])
+    assert rc == 2 and "--bits 3 contradicts --profile k2_coupled_h512_h128" in err
+    rc, _, err = run_main(["--sm", "90", "--profile", "nope", "--cache-dir", str(tmp_path)])
+    assert rc == 2 and "unknown QSRT profile" in err
