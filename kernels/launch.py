@@ -144,11 +144,12 @@ def scratch_layout(spec, *, capacity: int, max_slots: int) -> ScratchLayout:
     return ScratchLayout(tuple(buffers), -(-off // ARENA_ALIGN) * ARENA_ALIGN)
 
 
-def int_args(spec, *, m: int, capacity: int, max_blocks: int) -> dict[str, int]:
+def int_args(spec, *, m: int, capacity: int, max_blocks: int, sm_count: int) -> dict[str, int]:
     """The Int32 arguments of a call with `m` tokens to a layer of `spec`'s shape planned
-    for `capacity`: `max_blocks` (the plan's block bound at m, which sizes the grid), and
-    the row capacities whose last row is the nominal zero row of the GEMMs' A operands."""
+    for `capacity`: `max_blocks` (the plan's block bound at m, which sizes the grid), the
+    row capacities whose last row is the nominal zero row of the GEMMs' A operands, and the
+    device's SM count (the persistent grid of the table codebooks' GEMMs)."""
     routes_cap = capacity * spec.topk
     return {"m": m, "max_blocks": max_blocks,
             "rows_cap": capacity if spec.shared_hidden_vectors else routes_cap,
-            "routes_cap": routes_cap}
+            "routes_cap": routes_cap, "sm_count": sm_count}

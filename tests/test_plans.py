@@ -327,3 +327,16 @@ def test_layer_scratch_is_the_max_of_both_plans(tmp_path) -> None:
     assert all(b.offset % 256 == 0 for b in both.buffers)
     # Every scratch argument of the entry point is a buffer of the layout, and only those.
     assert {a.name for a in ARGS if a.kind == "scratch"} == set(both.names)
+
+
+def test_int_args_cover_every_int_argument_of_the_entry_point():
+    """int_args gives exactly the entry point's Int32 arguments (a missing or stale one fails
+    only at launch on a GPU otherwise)."""
+    from kquant_cute.kernels.launch import ARGS, int_args
+    from kquant_cute.kernels.moe import MoESpec
+
+    spec = MoESpec(num_experts=8, hidden=256, intermediate=256, topk=2, bits=4, codebook="mcg",
+                   block_m=8, shared_hidden_vectors=True)
+    got = int_args(spec, m=5, capacity=64, max_blocks=12, sm_count=132)
+    assert list(got) == [a.name for a in ARGS if a.kind == "int"]
+    assert got == {"m": 5, "max_blocks": 12, "rows_cap": 64, "routes_cap": 128, "sm_count": 132}
