@@ -12,6 +12,7 @@ decode-only ceiling of each codebook over the touched experts, and whether each 
 output equals its M=8-only plan bitwise (none left NaN). Usage:
 
     python benchmarks/bench_qsrt.py [--tokens 16 128 512 1536 4096] [--iters 30] [--json F] [--png F]
+    python benchmarks/bench_qsrt.py --plot-only F.json --png F.png   # plot a saved run (no GPU)
 """
 
 from __future__ import annotations
@@ -92,18 +93,54 @@ def format_table(rows) -> list[str]:
     return lines
 
 
+def plot(rows, path, device="") -> None:
+    """Layer time per token count for the three columns, log-log (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r["tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for key, label in (("peer", "bf16 grouped-GEMM peer"), ("qsrt_k2_coupled",
+                       "QSRT k2_coupled_h512_h128 (sqg_e4m3 K=2)"), ("mcg_k4", "mcg K=4")):
+        ax.plot(t, [r[key] for r in rows], marker="o", label=label)
+    ax.plot(t, [r["qsrt_k2_coupled_decode"] for r in rows], ls="--", color="C1",
+            label="sqg_e4m3 K=2 decode-only ceiling")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("ms per layer (CUDA-graph replay)")
+    ax.set_title(f"Kimi-K3 TP8 shard MoE layer {device}".strip())
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 512, 1536, 4096])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", default=None)
+    p.add_argument("--png", default=None, help="also write a plot (needs matplotlib)")
+    p.add_argument("--plot-only", default=None, metavar="JSON", help="plot a saved --json run")
     a = p.parse_args(argv)
+    if a.plot_only:
+        with open(a.plot_only) as f:
+            saved = json.load(f)
+        print("\n".join(format_table(saved["rows"])))
+        if a.png:
+            plot(saved["rows"], a.png, saved.get("device", ""))
+        return 0
     rows = run(a.tokens, a.iters)
     print(f"# {torch.cuda.get_device_name()}")
     print("\n".join(format_table(rows)), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    if a.png:
+        plot(rows, a.png, torch.cuda.get_device_name())
     return 0
 
 
