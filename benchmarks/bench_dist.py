@@ -59,12 +59,15 @@ def random_shard(plan, hidden, bits, codebook, seed, device):
         codebook=codebook)
 
 
-def _timed(graph, iters, repeats):
+def _timed(graph, iters, repeats, *, barrier=True):
+    """Median ms per replay of `graph` over `repeats` runs of `iters` replays; with
+    `barrier`, every rank starts each run together (collectives inside the graph)."""
     import torch.distributed as dist
 
     times = []
     for _ in range(repeats):
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
@@ -102,7 +105,7 @@ def bench_worker(rank, world, args):
                 t = {k: _timed(g, args["iters"], args["repeats"]) for k, g in graphs.items()}
                 dist.barrier()
                 if rank == 0:
-                    t["alone"] = _timed_alone(graphs["kernel"], args["iters"], args["repeats"])
+                    t["alone"] = _timed(graphs["kernel"], args["iters"], args["repeats"], barrier=False)
                 dist.barrier()
                 rows.append({"tp": tp, "ep": ep, "comm_dtype": comm, "tokens": m,
                              "block_m": bound.block_m, **t})
@@ -112,20 +115,6 @@ def bench_worker(rank, world, args):
         del shard
         torch.cuda.empty_cache()
     return rows
-
-
-def _timed_alone(graph, iters, repeats):
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(iters):
-            graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / iters)
-    return statistics.median(times)
 
 
 def summarize(results):
