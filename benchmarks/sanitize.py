@@ -3,12 +3,13 @@ fused forward, both GEMM paths, small shapes, cold and warm compile cache.
 
     python3 benchmarks/sanitize.py --out DIR [--jobs 4] [--tools memcheck,racecheck,...]
 
-Runs `python3 benchmarks/sanitize.py --workload CACHE` under each tool: three small layers
+Runs `python3 benchmarks/sanitize.py --workload CACHE` under each tool: five small layers
 (E=16, H=512, I=256, top-4) whose plans cover TrellisWgmma (M=8; M=32 x 2 spans; M=64 x 2,
-two warpgroups; K=3 and 4), TrellisGemm (mma.sync, M=8 and M=64, K=3), RoutePack,
-RotateInput / MidActivation / CombineOutput (shared and per-expert vectors, with and
-without an expert map, -1 ids), each at a decode and a prefill token count, plus the
-decode-only ceiling kernel (TrellisDecode). "cold": the cache starts empty, so every
+two warpgroups; mcg K=3 and 4; the persistent sqg_e4m3 table GEMM at K=2, coupled),
+TrellisGemm (mma.sync, M=8 and M=64, mcg K=3; sqg_e4m3 K=4 with its smem state table),
+RoutePack, RotateInput / MidActivation / CombineOutput (shared and per-expert vectors,
+with and without an expert map, -1 ids, the QSRT coupled variants), each at a decode and
+a prefill token count, plus the decode-only ceiling kernel (TrellisDecode). "cold": the cache starts empty, so every
 specialization is compiled inside the sanitized process; "warm": it is filled first.
 Writes DIR/<tool>-<cache>.log and DIR/summary.json and prints errors per kernel; each
 error is attributed to the kernel named in its report (or to the host API call).
@@ -49,16 +50,20 @@ def workload(cache_dir: str) -> None:
     E, H, I = 16, 512, 256
     layers = []
     wgmma = torch.cuda.get_device_capability() == (9, 0)
-    cfgs = [dict(mma="sync", bits=3, pin=64, shared=True, emap=False)]
+    cfgs = [dict(mma="sync", bits=3, pin=64, shared=True, emap=False),
+            dict(mma="sync", bits=4, pin=32, shared=True, emap=False, codebook="sqg_e4m3")]
     if wgmma:
         cfgs += [dict(mma="wgmma", bits=4, pin=32, shared=True, emap=False),  # spans of 2
-                 dict(mma="wgmma", bits=3, pin=64, span=2, shared=False, emap=True)]
+                 dict(mma="wgmma", bits=3, pin=64, span=2, shared=False, emap=True),
+                 dict(mma="wgmma", bits=2, pin=64, shared=True, emap=False,
+                      codebook="sqg_e4m3", coupled=True)]
     only = os.environ.get("KQ_SANITIZE_ONLY")  # one config (index), for a quick look
     if only:
         cfgs = [cfgs[int(only)]]
     for i, c in enumerate(cfgs):
-        wts = MoEWeights.random(E, H, I, c["bits"], "mcg", shared_hidden_vectors=c["shared"],
-                                seed=i, device="cuda")
+        wts = MoEWeights.random(E, H, I, c["bits"], c.get("codebook", "mcg"),
+                                shared_hidden_vectors=c["shared"],
+                                coupled=c.get("coupled", False), seed=i, device="cuda")
         n_global = 2 * E if c["emap"] else None
         knobs = {"span": c["span"]} if "span" in c else {}
         layer = MoELayer(wts, topk=4, capacity=256, mma=c["mma"], num_global_experts=n_global,
