@@ -193,12 +193,20 @@ def compile_forward(spec: MoESpec) -> tuple[bytes, dict]:
     return obj, meta
 
 
-def load_forward(path: str):
-    """Load a compiled object; returns the callable entry point (needs the CUDA driver)."""
+def load_forward(path: str, *, on_device: bool = False):
+    """Load a compiled object; returns the callable entry point (needs the CUDA driver).
+
+    The host part is linked here. cute loads the device image into the CUDA context
+    lazily, at the first call; ``on_device=True`` loads it now (every visible device), so
+    an object whose host code links but whose cubin the driver rejects fails here, where
+    the compile cache can delete and rebuild it, not at the first launch."""
     import cutlass.cute as cute
 
     module = cute.runtime.load_module(path)
-    return LoadedForward(module, getattr(module, OBJECT_PREFIX))
+    fn = getattr(module, OBJECT_PREFIX)
+    if on_device:
+        fn.to(None)  # the executor is discarded; the loaded CUDA library stays on `fn`
+    return LoadedForward(module, fn)
 
 
 class LoadedForward:

@@ -59,7 +59,7 @@ def source_files() -> list[str]:
 @dataclass
 class CompiledEntry:
     """A cached specialization: its metadata and its object, already linked into this
-    process (the cubin reaches the GPU at the first launch)."""
+    process (and, where the process has a GPU of its arch, its cubin loaded onto it)."""
 
     spec: MoESpec
     meta: dict
@@ -95,6 +95,18 @@ def _build(spec: MoESpec):
     return kbuild.compile_forward(spec)
 
 
+def _runs_here(arch: str) -> bool:
+    """True iff this process sees a CUDA device of ``arch`` (every device must be, as cute
+    loads an object onto all of them); False on a build box or for another arch's entry."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    want = arch_limits(arch)
+    return all(arch_limits(torch.cuda.get_device_capability(d)) is want
+               for d in range(torch.cuda.device_count()))
+
+
 def get_specialization(spec: MoESpec, cache: Optional[CompileCache] = None):
     """The `CacheResult` of one specialization (value: a `CompiledEntry`)."""
     cache = cache or default_cache()
@@ -102,11 +114,13 @@ def get_specialization(spec: MoESpec, cache: Optional[CompileCache] = None):
     arch = spec_dict.pop("arch")
 
     def load(path, meta):
-        # Linking the object is the loadability check: a payload that fails it raises
-        # here, inside the cache, which deletes the entry and rebuilds it.
+        # Loading is the loadability check: a payload that fails it raises here, inside
+        # the cache, which deletes the entry and rebuilds it. The host link always runs;
+        # where this process has a GPU of the entry's arch, the device image is loaded too.
         with open(path, "rb") as f:
             payload = f.read()
-        return CompiledEntry(spec=spec, meta=meta, payload=payload, _fn=kbuild.load_forward(path))
+        fn = kbuild.load_forward(path, on_device=_runs_here(spec.arch))
+        return CompiledEntry(spec=spec, meta=meta, payload=payload, _fn=fn)
 
     return cache.get_or_build_result(KERNEL_NAME, spec_dict, arch=arch,
                                      build=lambda: _build(spec), load=load,

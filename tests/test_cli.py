@@ -289,6 +289,46 @@ def test_unloadable_entry_is_rebuilt_not_reported_cached(warm: dict[str, Any], t
     assert get_specialization(spec, CompileCache(scratch)).status == "disk"
 
 
+def _plant_bad_cubin(cache_dir: Path, key: str) -> None:
+    """Break the device image inside an entry's object (the embedded cubin's ELF magic),
+    leaving its host code intact and the metadata's size and sha256 matching: the host
+    link succeeds, only loading the cubin onto a GPU can tell."""
+    import hashlib
+
+    path = cache_dir / f"{key}.bin"
+    blob = bytearray(path.read_bytes())
+    cubin = blob.find(b"\x7fELF", 1)  # offset 0 is the host object's own header
+    assert cubin > 0, "no embedded device image found in the object"
+    blob[cubin:cubin + 4] = b"JUNK"
+    path.write_bytes(bytes(blob))
+    meta_path = cache_dir / f"{key}.json"
+    meta = json.loads(meta_path.read_text())
+    meta["payload"].update(size=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+    meta_path.write_text(json.dumps(meta))
+
+
+@pytest.mark.gpu
+def test_entry_whose_cubin_the_gpu_rejects_is_rebuilt(tmp_path: Path) -> None:
+    """The device half of the loadability check: on a GPU of the entry's arch the cache's
+    load step also loads the cubin, so a broken device image heals (warning, rebuild)
+    instead of being served "disk" and failing at the first launch."""
+    import torch
+
+    from kquant_cute.compiler import get_specialization
+
+    major, minor = torch.cuda.get_device_capability()
+    spec = SMALL_SPEC.replace(block_m=8, arch=f"sm_{major}{minor}")
+    cache_dir = tmp_path / "c"
+    assert get_specialization(spec, CompileCache(cache_dir)).status == "compiled"
+    key = next(p.stem for p in cache_dir.glob("*.json"))
+    _plant_bad_cubin(cache_dir, key)
+    assert CompileCache(cache_dir).lookup_key(key) == "disk"  # the checksum vouches for it
+    with pytest.warns(UserWarning, match="is unusable"):
+        res = get_specialization(spec, CompileCache(cache_dir))
+    assert res.status == "compiled" and res.value.function() is not None
+    assert get_specialization(spec, CompileCache(cache_dir)).status == "disk"
+
+
 def test_stale_cubin_dirs_of_killed_compiles_are_swept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tempfile
 
