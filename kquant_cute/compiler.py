@@ -9,8 +9,11 @@ compile cache (never re-pay a compile) and the planners (which route block M to 
 - `geometry_check(spec, arch)`: the validity predicate the planner's fallback uses:
   static reasons from the kernel, then measured registers / spills / shared memory of
   every sub-kernel (`MoESpec.sub_kernels()`) against the per-SM table.
-- `plan_forward(base, capacity, arch, env)`: the plan pair (decode M = 8, prefill M from
-  the policy with fallback) as a `ForwardPlan`.
+- `compile_plan(base, capacity, arch, env)`: the planner's `RoutePlan`
+  (`planners.plan_routes` with `geometry_check` as the predicate) with the compiled entries
+  attached by M, and the cache's answer to every request the planning made, as a
+  `ForwardPlan`; `plan_forward` is the same for a layer, raising when the decode plan is
+  not implementable.
 """
 
 from __future__ import annotations
@@ -20,18 +23,17 @@ import os
 import re
 import tempfile
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .compile_cache import CompileCache, CompileCacheMiss, default_cache
+from .compile_cache import CacheResult, CompileCache, CompileCacheMiss, default_cache
 from .compile_cache.store import sweep_stale
 from .kernels import build as kbuild
 from .kernels.moe import MoESpec
-from .planners import (GeometryVerdict, PlanEnv, arch_limits, check_resources, normalize_arch,
-                       resolve_env)
-from .planners.plans import PlanPairLayout, plan_pair_layout
-from .planners.policy import (ROUTE_BLOCK_SIZES, max_route_blocks, padded_route_slots,
-                              select_route_block_size_m)
+from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, RoutePlan, arch_limits,
+                       check_resources, normalize_arch, plan_routes, resolve_env)
 
 KERNEL_NAME = "w4a16_trellis_moe"
 _GEMM_NAMES = {"sync": "mma.sync", "wgmma": "async wgmma"}
@@ -127,25 +129,50 @@ def get_specialization(spec: MoESpec, cache: Optional[CompileCache] = None):
                                      sources=source_files())
 
 
-def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> GeometryVerdict:
-    """Static check, then compile (cached) and check the measured resources of every
-    sub-kernel on spec.arch. Without measurements (no cuobjdump where it was compiled) the
-    verdict accepts the geometry as "unmeasured" (`measured=False`), never silently."""
+@dataclass(frozen=True)
+class CacheOutcome:
+    """The compile cache's answer to the one request planning made for a specialization:
+    its `CacheResult` (status "compiled" / "disk" / "memory", seconds, key, metadata), or
+    the exception the request raised (then `seconds` is the time until it raised)."""
+
+    spec: MoESpec
+    result: Optional[CacheResult] = None
+    error: Optional[BaseException] = None
+    seconds: float = 0.0
+
+
+#: Called before a cache request (outcome None) and after it (the outcome).
+Observer = Callable[[MoESpec, Optional[CacheOutcome]], None]
+
+
+def _check(spec: MoESpec, cache: Optional[CompileCache],
+           observe: Optional[Observer] = None) -> tuple[GeometryVerdict, Optional[CacheOutcome]]:
+    """`geometry_check`, also returning the cache's outcome (None: never asked)."""
     limits = arch_limits(spec.arch)
     reason = spec.check(smem_limit=limits.smem_per_block_optin)
     if reason is not None:
-        return GeometryVerdict(block_m=spec.block_m, ok=False, reason=reason)
+        return GeometryVerdict(block_m=spec.block_m, ok=False, reason=reason), None
     cache = cache or default_cache()  # an invalid cache environment raises, not "rejected"
+    if observe is not None:
+        observe(spec, None)
+    t0 = time.perf_counter()
     try:
         res = get_specialization(spec, cache)
-    except CompileCacheMiss:
-        raise  # frozen / graph capture: never silently fall back to a narrower block
-    except Exception as exc:  # a compile failure rejects the geometry, with its reason
+    except Exception as exc:
+        outcome = CacheOutcome(spec, error=exc, seconds=time.perf_counter() - t0)
+        if observe is not None:
+            observe(spec, outcome)
+        if isinstance(exc, CompileCacheMiss):
+            raise  # frozen / graph capture: never silently fall back to a narrower block
+        # A compile failure rejects the geometry, with its reason.
         return GeometryVerdict(block_m=spec.block_m, ok=False,
-                               reason=f"compile failed: {type(exc).__name__}: {exc}")
+                               reason=f"compile failed: {type(exc).__name__}: {exc}"), outcome
+    outcome = CacheOutcome(spec, result=res, seconds=res.seconds)
+    if observe is not None:
+        observe(spec, outcome)
     extra = res.value.resources
     if not extra.get("resources_measured", bool(extra.get("kernels"))):
-        return GeometryVerdict(block_m=spec.block_m, ok=True, measured=False)
+        return GeometryVerdict(block_m=spec.block_m, ok=True, measured=False), outcome
     launches = spec.kernel_launches()
     reasons = []
     for k in extra.get("kernels", []):
@@ -161,7 +188,14 @@ def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> Geome
     return GeometryVerdict(block_m=spec.block_m, ok=not reasons,
                            reason="; ".join(reasons) if reasons else None,
                            registers=extra.get("registers"), spills=extra.get("spill_bytes"),
-                           smem_bytes=extra.get("shared_bytes"), measured=True)
+                           smem_bytes=extra.get("shared_bytes"), measured=True), outcome
+
+
+def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> GeometryVerdict:
+    """Static check, then compile (cached) and check the measured resources of every
+    sub-kernel on spec.arch. Without measurements (no cuobjdump where it was compiled) the
+    verdict accepts the geometry as "unmeasured" (`measured=False`), never silently."""
+    return _check(spec, cache)[0]
 
 
 @dataclass
@@ -175,92 +209,89 @@ class BoundPlan:
 
 
 class ForwardPlan:
-    """Decode (M = 8) and optional prefill specialization of one layer shape.
+    """The planner's `RoutePlan` of one layer shape with its compiled entries attached by M.
 
-    `bands` (opt-in): the accepted sizes between the two, compiled too. Then a call with m
-    above the prefill threshold binds the policy's choice at m itself (clamped to the
-    prefill M, falling back to the next narrower accepted size) instead of the capacity's.
+    `route` decides (bands, candidates, route bounds); `entries[M]` is the compiled
+    specialization of each accepted size of `route.block_sizes`; `outcomes[M]` is the
+    cache's answer to every request planning made (also for the sizes the check rejected
+    after compiling them, and for failed builds).
     """
 
-    def __init__(self, layout: PlanPairLayout, decode: BoundPlan, prefill: Optional[BoundPlan],
-                 bands: Optional[dict] = None):
-        self.layout = layout
-        self.decode = decode
-        self.prefill = prefill
-        self.bands = dict(bands or {})
-        if prefill is not None and self.bands:
-            self.bands[prefill.spec.block_m] = prefill
+    def __init__(self, route: RoutePlan, base: MoESpec, entries: dict[int, BoundPlan],
+                 outcomes: Optional[dict[int, CacheOutcome]] = None):
+        self.route = route
+        self.base = base
+        self.entries = dict(sorted(entries.items()))
+        self.outcomes = dict(outcomes or {})
+
+    @property
+    def error(self) -> Optional[str]:
+        return self.route.error
+
+    @property
+    def decode(self) -> BoundPlan:
+        return self.entries[DECODE_BLOCK_M]
+
+    @property
+    def prefill(self) -> Optional[BoundPlan]:
+        return None if self.route.prefill_m is None else self.entries.get(self.route.prefill_m)
 
     def specs(self) -> list[MoESpec]:
-        plans = [self.decode, self.prefill, *self.bands.values()]
-        return list({p.spec: None for p in plans if p is not None})
+        return [p.spec for p in self.entries.values()]
 
     def plan_for(self, m: int) -> BoundPlan:
-        if self.prefill is None or not self.layout.binds_prefill(m):
-            return self.decode
-        if not self.bands:
-            return self.prefill
-        want = select_route_block_size_m(m, self.layout.topk, self.layout.num_experts)
-        fits = [b for b in self.bands if b <= want]
-        return self.bands[max(fits)] if fits else self.decode
-
-    def max_blocks(self, m: int) -> int:
-        """The route-block bound of a call with `m` tokens at the M it binds: the grid
-        size of that launch (`planners.policy.max_route_blocks`)."""
-        return max_route_blocks(m * self.layout.topk, self.layout.num_experts,
-                                self.plan_for(m).spec.block_m)
-
-    def route_slots(self) -> int:
-        """The packed-route bound at the capacity over every plan's M: the one scratch
-        arena's route list serves them all."""
-        n = self.layout.capacity * self.layout.topk
-        return max(padded_route_slots(n, self.layout.num_experts, s.block_m)
-                   for s in self.specs())
+        """The compiled specialization a call with `m` tokens binds (`RoutePlan.band_for`)."""
+        return self.entries[self.route.band_for(m).block_m]
 
     def load(self) -> None:
-        for p in [self.decode, self.prefill, *self.bands.values()]:
-            if p is not None:
-                p.fn  # noqa: B018 - load now, not on the first (possibly captured) call
+        for p in self.entries.values():
+            p.fn  # noqa: B018 - load now, not on the first (possibly captured) call
 
     def describe(self, scratch_bytes=None) -> str:
-        text = self.layout.describe(scratch_bytes=scratch_bytes)
-        specs = sorted(self.specs(), key=lambda s: s.block_m)
-        text += "\n  " + describe_gemm((s.block_m, s.mma, s.span) for s in specs)
-        if self.bands:
-            text += ("\n  banded: above the threshold each call binds the policy's M at its own m "
-                     f"among {sorted(self.bands)}")
-        return text
+        text = self.route.describe(scratch_bytes=scratch_bytes)
+        specs = [self.base.replace(block_m=m) for m in self.route.block_sizes]
+        return text + "\n  " + describe_gemm((s.block_m, s.mma, s.span) for s in specs)
 
 
-def plan_forward(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] = None,
-                 cache: Optional[CompileCache] = None, banded: bool = False) -> ForwardPlan:
-    """Plan (and compile through the cache) the decode / prefill pair for `base`'s shape;
-    with `banded`, also every accepted size between them (see `ForwardPlan`). Needs no
-    GPU (objects are cross-compiled for `arch`); `env` defaults to the process
-    environment's plan knobs (`planners.resolve_env`)."""
+def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] = None,
+                 cache: Optional[CompileCache] = None, banded: bool = False,
+                 observe: Optional[Observer] = None) -> ForwardPlan:
+    """Plan `base`'s shape for `arch` (`planners.plan_routes`, with `geometry_check`, which
+    compiles through the cache, as the predicate) and attach the compiled entries by M.
+    A rejected decode geometry is the plan's `error`, not an exception (see
+    `plan_forward`). `observe` sees every cache request before and after. Needs no GPU
+    (objects are cross-compiled for `arch`); `env` defaults to the process environment's
+    plan knobs (`planners.resolve_env`)."""
     arch = normalize_arch(arch)
     env = resolve_env() if env is None else env
     # The MMA kind resolves per arch, so every plan of the layer shares it (bitwise
     # equality across M); an "auto" span resolves per block size.
     base = base.replace(arch=arch)
+    outcomes: dict[int, CacheOutcome] = {}
 
     def check(block_m: int) -> GeometryVerdict:
-        return geometry_check(base.replace(block_m=block_m), cache)
+        verdict, outcome = _check(base.replace(block_m=block_m), cache, observe)
+        if outcome is not None:
+            outcomes[block_m] = outcome
+        return verdict
 
-    layout = plan_pair_layout(capacity, base.topk, base.num_experts, env, check)
-    decode_spec = base.replace(block_m=layout.decode.block_m)
-    verdict = check(decode_spec.block_m)
-    if not verdict.ok:
-        raise ValueError(f"the decode specialization is not implementable: {verdict.reason}")
-    decode = BoundPlan(decode_spec, get_specialization(decode_spec, cache).value)
-    prefill = None
-    if layout.prefill is not None:
-        pspec = base.replace(block_m=layout.prefill.block_m)
-        prefill = BoundPlan(pspec, get_specialization(pspec, cache).value)
-    bands = {}
-    if banded and prefill is not None:
-        for size in ROUTE_BLOCK_SIZES:
-            if decode_spec.block_m < size < prefill.spec.block_m and check(size).ok:
-                bspec = base.replace(block_m=size)
-                bands[size] = BoundPlan(bspec, get_specialization(bspec, cache).value)
-    return ForwardPlan(layout, decode, prefill, bands)
+    route = plan_routes(capacity, base.topk, base.num_experts, env, check, banded=banded)
+    entries = {}
+    for m in route.block_sizes:
+        if route.verdict(m).ok:  # accepted: the check got the entry from the cache
+            entries[m] = BoundPlan(outcomes[m].spec, outcomes[m].result.value)
+    return ForwardPlan(route, base, entries, outcomes)
+
+
+def plan_forward(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] = None,
+                 cache: Optional[CompileCache] = None, banded: bool = False) -> ForwardPlan:
+    """`compile_plan` for a layer: the decode / prefill specializations (with `banded`, also
+    every accepted size between them; see `planners.RoutePlan`), compiled through the cache.
+
+    Raises:
+        ValueError: when the decode specialization is not implementable.
+    """
+    plan = compile_plan(base, capacity=capacity, arch=arch, env=env, cache=cache, banded=banded)
+    if plan.error is not None:
+        raise ValueError(plan.error)
+    return plan

@@ -2,8 +2,9 @@
 
 Owns `MoELayer`: built once per layer shape (weights, top-k, token capacity, dtypes), it
 plans the decode (M = 8) and prefill (policy M with fallback) specializations, gets both
-from the compile cache, and allocates ONE scratch arena (sized to the larger plan) plus
-one output buffer. `bind(x, topk_ids, topk_weights)` validates every input (dtype, device,
+from the compile cache, and allocates ONE scratch arena (its route list sized by the plan's
+`RoutePlan.route_slots`, the bound over every token band) plus one output buffer; a call
+binds the M of its token band and launches `RoutePlan.max_blocks(m)` route blocks. `bind(x, topk_ids, topk_weights)` validates every input (dtype, device,
 shape, contiguity, capacity, id range) and returns a `BoundForward` holding only views
 and raw pointers; `BoundForward.run()` launches on the current torch stream and never
 allocates, so it can be captured in a CUDA graph and replayed with new input contents.
@@ -124,7 +125,8 @@ class MoELayer:
         self.plan: ForwardPlan = plan_forward(base, capacity=capacity, arch=arch, env=env,
                                               cache=cache, banded=banded)
         self.plan.load()
-        self.scratch = scratch_layout(base, capacity=capacity, max_slots=self.plan.route_slots())
+        self.scratch = scratch_layout(base, capacity=capacity,
+                                      max_slots=self.plan.route.route_slots)
         self.stream_arenas = bool(stream_arenas)
         first = _Arena(self.scratch, capacity, weights.hidden, out_dtype, self.device)
         self._arenas = {torch.cuda.current_stream(self.device).cuda_stream: first}
@@ -231,8 +233,8 @@ class MoELayer:
         tensors.update(x=x, topk_ids=topk_ids, topk_weights=topk_weights, out=out,
                        expert_map=expert_map if expert_map is not None else self._no_map,
                        codebook_table=self._table)
-        ints = int_args(plan.spec, m=m, capacity=self.capacity, max_blocks=self.plan.max_blocks(m),
-                        sm_count=self._sm_count)
+        ints = int_args(plan.spec, m=m, capacity=self.capacity,
+                        max_blocks=self.plan.route.max_blocks(m), sm_count=self._sm_count)
         return BoundForward(plan, tensors, ints, out, arena, self._stream_key())
 
     def _stream_key(self):

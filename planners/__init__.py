@@ -2,7 +2,8 @@
 
 * :mod:`.policy` -- route block sizes, the M-selection policy and route-slot bounds.
 * :mod:`.geometry` -- the per-SM limits table and the one resource validity predicate.
-* :mod:`.plans` -- environment knobs, prefill block choice with fallback, plan-pair layout.
+* :mod:`.plans` -- environment knobs, prefill block choice with fallback, the route plan
+  (token bands, every candidate's verdict).
 
 Nothing here imports torch or cutlass.
 """
@@ -22,12 +23,15 @@ from .plans import (
     DEFAULT_PREFILL_MIN_M,
     ENV_PREFILL_BLOCK_M,
     ENV_PREFILL_MIN_M,
+    Candidate,
     GeometryCheck,
     PlanEnv,
-    PlanLayout,
-    PlanPairLayout,
+    RoutePlan,
+    TokenBand,
+    candidate_bound,
     choose_prefill_block,
-    plan_pair_layout,
+    plan_routes,
+    policy_runs,
     resolve_env,
 )
 from .policy import (
@@ -42,6 +46,7 @@ from .policy import (
 __all__ = [
     "ARCH_TABLE",
     "ArchLimits",
+    "Candidate",
     "DECODE_BLOCK_M",
     "DEFAULT_PREFILL_MIN_M",
     "ENV_PREFILL_BLOCK_M",
@@ -50,10 +55,11 @@ __all__ = [
     "GeometryCheck",
     "GeometryVerdict",
     "PlanEnv",
-    "PlanLayout",
-    "PlanPairLayout",
     "ROUTE_BLOCK_SIZES",
+    "RoutePlan",
+    "TokenBand",
     "arch_limits",
+    "candidate_bound",
     "check_resources",
     "choose_prefill_block",
     "geometry_verdict",
@@ -61,7 +67,8 @@ __all__ = [
     "max_route_blocks",
     "normalize_arch",
     "padded_route_slots",
-    "plan_pair_layout",
+    "plan_routes",
+    "policy_runs",
     "resolve_env",
     "route_block_sizes_for_capacity",
     "select_route_block_size_m",

@@ -1,20 +1,24 @@
-"""Decode / prefill plan-pair layout: env knobs, prefill block choice with geometry fallback.
+"""The route plan of one layer shape: which route block M serves which token counts, and why.
 
 This module owns the decision logic of BRIEF section 4 ("the seed's plan"), independent of
-the kernel, which is injected as a ``check(block_m) -> reason | None`` callable:
+the kernel, which is injected as a ``check(block_m) -> reason | None | GeometryVerdict``:
 
 * :func:`resolve_env` reads ``KQUANT_W4A16_PREFILL_BLOCK_M`` (pin the prefill M; ``0``
   disables the prefill plan) and ``KQUANT_W4A16_PREFILL_MIN_M`` (the prefill plan binds only
   for ``m`` above it; default 256, at least 8) into a frozen :class:`PlanEnv`.
-* :func:`choose_prefill_block` picks the prefill route block M: the pinned one, else the
-  policy's choice at the planned capacity; a geometry the kernel rejects falls back to the
-  next narrower size, every rejection recorded as a :class:`GeometryVerdict`.
-* :class:`PlanLayout` / :class:`PlanPairLayout` (built by :func:`plan_pair_layout`) describe
-  the two plans -- the decode plan at M=8 and the optional prefill plan -- their route-slot
-  sizing, which one binds for a given ``m`` and a readable :meth:`PlanPairLayout.describe`.
+* :func:`choose_prefill_block` -- the fallback walk: the pinned M, else the policy's choice
+  at the planned capacity; a geometry the kernel rejects falls back to the next narrower
+  size, every answer recorded as a :class:`GeometryVerdict`.
+* :func:`plan_routes` -- the whole plan as one frozen :class:`RoutePlan`: the token bands
+  (:class:`TokenBand`: token range, block M, padded-slot bound, max blocks), every candidate
+  the check was asked about with its verdict (:class:`Candidate`) and notes. Its
+  :meth:`RoutePlan.band_for` is the one answer to "which M does a call with ``m`` tokens
+  bind"; :meth:`RoutePlan.max_blocks` (a call's grid bound) and :attr:`RoutePlan.route_slots`
+  (the scratch route list) are the route bounds a layer allocates and launches with.
+* :func:`candidate_bound` -- how many candidates a plan can ask about (progress bars).
 
-Both plans share one scratch arena sized to the larger and one fp32 output buffer (that
-sizing belongs to the kernel module; ``describe`` only reports it).
+The plans of one layer share one scratch arena sized to the largest band and one fp32 output
+buffer (that sizing belongs to the kernel module; ``describe`` only reports it).
 
 Pure Python; no torch import.
 """
@@ -23,12 +27,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Literal, Mapping, Optional, Union
 
 from .geometry import GeometryVerdict
 from .policy import (
     ROUTE_BLOCK_SIZES,
     _check_int,
+    max_route_blocks,
     padded_route_slots,
     select_route_block_size_m,
 )
@@ -42,9 +47,12 @@ __all__ = [
     "resolve_env",
     "GeometryCheck",
     "choose_prefill_block",
-    "PlanLayout",
-    "PlanPairLayout",
-    "plan_pair_layout",
+    "TokenBand",
+    "Candidate",
+    "RoutePlan",
+    "plan_routes",
+    "candidate_bound",
+    "policy_runs",
 ]
 
 #: Pins the prefill route block M (one of ROUTE_BLOCK_SIZES); ``0`` disables the prefill plan.
@@ -198,108 +206,198 @@ def choose_prefill_block(
     return None, decisions
 
 
+#: Why the planner asked the check about a size: the prefill fallback walk, the decode plan
+#: (M=8, when the walk did not ask), or a banded plan's size between the two.
+Purpose = Literal["prefill", "decode", "band"]
+#: What a plan uses a token band's M for.
+BandRole = Literal["decode", "prefill", "band"]
+#: What a plan uses a candidate for: a band role, or a rejected walk / band candidate.
+CandidateRole = Literal["decode", "prefill", "band", "fallback-rejected", "band-rejected"]
+
+
+def policy_runs(lo: int, hi: int, topk: int, num_experts: int) -> list[tuple[int, int, int]]:
+    """``[(a, b, M), ...]``: the route-size policy's choice over ``m in [lo, hi]``, as maximal
+    runs of one choice (the policy is monotone in ``m``, so each run is found by bisection)."""
+    _check_int("lo", lo, minimum=1)
+    out: list[tuple[int, int, int]] = []
+    start = lo
+    while start <= hi:
+        size = select_route_block_size_m(start, topk, num_experts)
+        a, b = start, hi  # the largest end in [start, hi] with the same choice
+        while a < b:
+            mid = (a + b + 1) // 2
+            if select_route_block_size_m(mid, topk, num_experts) == size:
+                a = mid
+            else:
+                b = mid - 1
+        out.append((start, a, size))
+        start = a + 1
+    return out
+
+
 @dataclass(frozen=True)
-class PlanLayout:
-    """One plan: a route block size and the route-pack sizing for the tokens it serves.
+class TokenBand:
+    """A maximal run of token counts ``m in [lo, hi]`` that binds one route block M.
 
     Attributes:
-        block_m: route block rows M.
-        capacity: the most tokens one launch of this plan serves.
-        topk: routes per token.
-        num_experts: (local) experts the route pack spans.
-        route_slots: :func:`~planners.policy.padded_route_slots` of ``capacity * topk``.
-        num_blocks: ``route_slots // block_m``, a bound on the non-empty route blocks.
+        lo, hi: the inclusive token range.
+        block_m: the route block rows M every call in the band binds.
+        role: ``"decode"`` (M=8), ``"prefill"`` (the prefill plan's M) or ``"band"`` (a banded
+            plan's size between the two).
+        route_slots: :func:`~planners.policy.padded_route_slots` of ``hi * topk`` routes at
+            ``block_m``: the most packed routes a call in the band produces.
+        max_blocks: ``route_slots // block_m``: the most route blocks of a call in the band
+            (a call with ``m`` tokens launches :meth:`RoutePlan.max_blocks` of ``m``, at most this).
     """
 
+    lo: int
+    hi: int
     block_m: int
+    role: BandRole
+    route_slots: int
+    max_blocks: int
+
+    @classmethod
+    def build(cls, lo: int, hi: int, block_m: int, role: BandRole, topk: int,
+              num_experts: int) -> "TokenBand":
+        """The band ``[lo, hi]`` at ``block_m`` with its route bounds from the policy."""
+        slots = padded_route_slots(hi * topk, num_experts, block_m)
+        return cls(lo=lo, hi=hi, block_m=block_m, role=role, route_slots=slots,
+                   max_blocks=slots // block_m)
+
+    def __post_init__(self) -> None:
+        _check_int("lo", self.lo, minimum=1)
+        _check_int("hi", self.hi, minimum=self.lo)
+        if self.block_m not in ROUTE_BLOCK_SIZES:
+            raise ValueError(f"TokenBand: block_m {self.block_m} not in {ROUTE_BLOCK_SIZES}")
+        if self.role not in ("decode", "prefill", "band"):
+            raise ValueError(f"TokenBand: unknown role {self.role!r}")
+        if (self.role == "decode") != (self.block_m == DECODE_BLOCK_M):
+            raise ValueError(f"TokenBand: the decode role is exactly M={DECODE_BLOCK_M}")
+        if self.max_blocks != self.route_slots // self.block_m:
+            raise ValueError("TokenBand: max_blocks must be route_slots // block_m")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One route block size the planner asked the geometry check about, and the answer.
+
+    The planner asks about each size at most once per plan (a failing compile is paid once),
+    so when the fallback walk reached M=8 its answer is also the decode plan's.
+    """
+
+    verdict: GeometryVerdict
+    purpose: Purpose
+
+    @property
+    def block_m(self) -> int:
+        return self.verdict.block_m
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict.ok
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """The whole route plan of one layer shape (built by :func:`plan_routes`).
+
+    Attributes:
+        capacity / topk / num_experts: the most tokens per call, routes per token, (local)
+            experts the route pack spans.
+        prefill_min_m: the prefill plan binds only for ``m > prefill_min_m``.
+        prefill_m: the prefill plan's M, or ``None`` (disabled, every wider size rejected,
+            the capacity not above the threshold, or the choice was M=8 itself).
+        bands: the token bands, ascending, covering ``[1, capacity]``.
+        candidates: every size the check was asked about, in the order asked: the fallback
+            walk (widest first), then M=8 unless the walk asked, then a banded plan's sizes.
+        notes: why the prefill plan is absent or how the plan was chosen.
+        banded: the plan was asked for bands: when some size between M=8 and ``prefill_m`` is
+            accepted, a call above the threshold binds the policy's M at its own ``m`` among
+            those sizes and ``prefill_m`` (the next narrower one where the policy's is not
+            among them, M=8 below the narrowest); otherwise (and without ``banded``) every
+            such call binds ``prefill_m``.
+    """
+
     capacity: int
     topk: int
     num_experts: int
-    route_slots: int
-    num_blocks: int
-
-    @classmethod
-    def build(cls, block_m: int, capacity: int, topk: int, num_experts: int) -> "PlanLayout":
-        """Size a plan for ``capacity`` tokens at route block ``block_m``."""
-        _check_int("block_m", block_m, minimum=1)
-        _check_int("capacity", capacity, minimum=1)
-        _check_int("topk", topk, minimum=1)
-        slots = padded_route_slots(capacity * topk, num_experts, block_m)
-        return cls(
-            block_m=block_m,
-            capacity=capacity,
-            topk=topk,
-            num_experts=num_experts,
-            route_slots=slots,
-            num_blocks=slots // block_m,
-        )
-
-    def __post_init__(self) -> None:
-        expected = padded_route_slots(self.capacity * self.topk, self.num_experts, self.block_m)
-        if self.route_slots != expected or self.num_blocks != expected // self.block_m:
-            raise ValueError(
-                "PlanLayout: route_slots / num_blocks disagree with the policy; use PlanLayout.build"
-            )
-
-
-@dataclass(frozen=True)
-class PlanPairLayout:
-    """The decode plan (M=8) and the optional prefill plan, and when each binds.
-
-    Attributes:
-        decode: the M=8 plan; serves ``m <= prefill_min_m`` (every ``m`` without a prefill).
-        prefill: the wide plan, or ``None`` (disabled, every size rejected, redundant, or the
-            capacity does not exceed the threshold).
-        prefill_min_m: the prefill plan binds only for ``m > prefill_min_m``.
-        decisions: geometry verdicts of the prefill choice, in order.
-        notes: why the prefill plan is absent or how it was chosen, for :meth:`describe`.
-    """
-
-    decode: PlanLayout
-    prefill: Optional[PlanLayout]
     prefill_min_m: int
-    decisions: tuple[GeometryVerdict, ...] = ()
+    prefill_m: Optional[int]
+    bands: tuple[TokenBand, ...]
+    candidates: tuple[Candidate, ...] = ()
     notes: tuple[str, ...] = ()
+    banded: bool = False
 
     def __post_init__(self) -> None:
+        _check_int("capacity", self.capacity, minimum=1)
         _check_int("prefill_min_m", self.prefill_min_m, minimum=DECODE_BLOCK_M)
-        if self.decode.block_m != DECODE_BLOCK_M:
-            raise ValueError(f"the decode plan must use M={DECODE_BLOCK_M}, got {self.decode.block_m}")
-        if self.prefill is not None:
-            if (self.prefill.topk, self.prefill.num_experts) != (self.decode.topk, self.decode.num_experts):
-                raise ValueError("decode and prefill plans must share topk and num_experts")
-            if self.prefill.capacity <= self.prefill_min_m:
-                raise ValueError(
-                    f"prefill capacity {self.prefill.capacity} <= threshold {self.prefill_min_m}: "
-                    "it could never bind"
-                )
-            if self.decode.capacity < self.prefill_min_m:
-                raise ValueError(
-                    f"decode capacity {self.decode.capacity} < threshold {self.prefill_min_m}: "
-                    "tokens in between would have no plan"
-                )
+        if self.prefill_m is not None and self.prefill_m not in ROUTE_BLOCK_SIZES[1:]:
+            raise ValueError(f"prefill_m must be one of {ROUTE_BLOCK_SIZES[1:]} or None, "
+                             f"got {self.prefill_m!r}")
+        if self.prefill_m is not None and self.capacity <= self.prefill_min_m:
+            raise ValueError(f"a prefill plan at capacity {self.capacity} <= threshold "
+                             f"{self.prefill_min_m} could never bind")
+        if not self.bands or self.bands[0].lo != 1 or self.bands[-1].hi != self.capacity:
+            raise ValueError(f"RoutePlan: the bands must cover [1, {self.capacity}]")
+        for a, b in zip(self.bands, self.bands[1:]):
+            if b.lo != a.hi + 1 or b.block_m == a.block_m:
+                raise ValueError("RoutePlan: bands must be contiguous runs of distinct M")
+        sizes = self.block_sizes
+        for band in self.bands:
+            if band != TokenBand.build(band.lo, band.hi, band.block_m, band.role, self.topk,
+                                       self.num_experts):
+                raise ValueError("RoutePlan: a band's route bounds disagree with the policy; "
+                                 "use TokenBand.build")
+            if band.block_m not in sizes:
+                raise ValueError(f"RoutePlan: band M={band.block_m} is no specialization of the plan")
+            if (band.role == "prefill") != (band.block_m == self.prefill_m):
+                raise ValueError(f"RoutePlan: the prefill role is exactly M={self.prefill_m}")
+            if band.lo <= self.prefill_min_m and band.block_m != DECODE_BLOCK_M:
+                raise ValueError(f"RoutePlan: m <= {self.prefill_min_m} must bind M={DECODE_BLOCK_M}")
+        if len({c.block_m for c in self.candidates}) != len(self.candidates):
+            raise ValueError("RoutePlan: each size is a candidate at most once")
+
+    # -- what the plan compiles -------------------------------------------------------------
+    def verdict(self, block_m: int) -> Optional[GeometryVerdict]:
+        """The check's answer for ``block_m``, or ``None`` if it was never asked."""
+        return next((c.verdict for c in self.candidates if c.block_m == block_m), None)
 
     @property
-    def capacity(self) -> int:
-        """The most tokens the pair serves."""
-        return self.prefill.capacity if self.prefill is not None else self.decode.capacity
+    def block_sizes(self) -> tuple[int, ...]:
+        """The plan's specializations, ascending: M=8, the prefill M and (banded) every
+        accepted size between them."""
+        sizes = {DECODE_BLOCK_M}
+        if self.prefill_m is not None:
+            sizes.add(self.prefill_m)
+            if self.banded:
+                sizes |= {c.block_m for c in self.candidates
+                          if c.ok and DECODE_BLOCK_M < c.block_m < self.prefill_m}
+        return tuple(sorted(sizes))
 
     @property
-    def topk(self) -> int:
-        """Routes per token."""
-        return self.decode.topk
+    def error(self) -> Optional[str]:
+        """Why the plan cannot be bound (the decode geometry was rejected), else ``None``."""
+        v = self.verdict(DECODE_BLOCK_M)
+        if v is not None and not v.ok:
+            return f"the decode specialization is not implementable: {v.reason}"
+        return None
 
-    @property
-    def num_experts(self) -> int:
-        """(Local) experts the route packs span."""
-        return self.decode.num_experts
+    def role(self, block_m: int) -> CandidateRole:
+        """What the plan uses candidate ``block_m`` for: ``"decode"`` (M=8, accepted or not),
+        ``"prefill"``, ``"band"``, or a rejected ``"fallback-rejected"`` / ``"band-rejected"``."""
+        if block_m == DECODE_BLOCK_M:
+            return "decode"
+        c = next((c for c in self.candidates if c.block_m == block_m), None)
+        if c is None:
+            raise ValueError(f"M={block_m} is no candidate of this plan")
+        if c.purpose == "band":
+            return "band" if c.ok else "band-rejected"
+        return "prefill" if c.ok else "fallback-rejected"
 
-    def binds_prefill(self, m: int) -> bool:
-        """``True`` iff a prefill plan exists and ``m > prefill_min_m`` and ``m > 8``."""
-        return self.prefill is not None and m > self.prefill_min_m and m > DECODE_BLOCK_M
-
-    def plan_for(self, m: int) -> PlanLayout:
-        """The plan a call with ``m`` tokens binds.
+    # -- what a call binds ------------------------------------------------------------------
+    def band_for(self, m: int) -> TokenBand:
+        """The band a call with ``m`` tokens binds (its M is the specialization to launch).
 
         Raises:
             ValueError: if ``m`` is not a positive int or exceeds the planned capacity.
@@ -307,62 +405,43 @@ class PlanPairLayout:
         _check_int("m", m, minimum=1)
         if m > self.capacity:
             raise ValueError(f"m={m} exceeds the planned capacity of {self.capacity} tokens")
-        return self.prefill if self.binds_prefill(m) else self.decode  # type: ignore[return-value]
+        return next(b for b in self.bands if m <= b.hi)
 
-    def bands(self) -> list[tuple[int, int, PlanLayout]]:
-        """``[(lo, hi, plan), ...]``: inclusive token bands and the plan bound on each."""
-        cap = self.capacity
-        if self.prefill is None:
-            return [(1, cap, self.decode)]
-        return [(1, self.prefill_min_m, self.decode), (self.prefill_min_m + 1, cap, self.prefill)]
+    def max_blocks(self, m: int) -> int:
+        """The route-block bound of a call with ``m`` tokens at the M it binds: the grid of
+        that launch (:func:`~planners.policy.max_route_blocks` of ``m * topk`` routes)."""
+        return max_route_blocks(m * self.topk, self.num_experts, self.band_for(m).block_m)
 
-    def _policy_bands(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """``[(lo, hi, M)]``: where the route-size policy would switch M within ``[lo, hi]``."""
-        out: list[tuple[int, int, int]] = []
-        start = lo
-        while start <= hi:
-            size = select_route_block_size_m(start, self.topk, self.num_experts)
-            # Largest end in [start, hi] with the same choice (the policy is monotone in m).
-            a, b = start, hi
-            while a < b:
-                mid = (a + b + 1) // 2
-                if select_route_block_size_m(mid, self.topk, self.num_experts) == size:
-                    a = mid
-                else:
-                    b = mid - 1
-            out.append((start, a, size))
-            start = a + 1
-        return out
+    @property
+    def route_slots(self) -> int:
+        """The packed-route bound over every band: the one scratch arena's route list serves
+        every call (the bound grows with both ``m`` and M, so the widest band at the
+        capacity sets it)."""
+        return max(b.route_slots for b in self.bands)
 
     def describe(self, scratch_bytes: Optional[Mapping[str, int]] = None) -> str:
-        """A readable multi-line summary of the plan pair.
+        """A readable multi-line summary of the plan.
 
-        One line per token band with the bound plan, the route-size policy's own choices over
-        that band (for information), the rejected geometries with their reasons, any notes, and
-        -- given ``scratch_bytes`` (e.g. ``{"decode": ..., "prefill": ...}``) -- the shared scratch
-        arena size (the largest entry).
+        One line per token band with its M and route bounds, the route-size policy's own
+        choices over that band (for information), the rejected and the accepted geometries,
+        the notes, and -- given ``scratch_bytes`` (e.g. ``{"arena": ..., "output": ...}``) --
+        the shared scratch arena size (the largest entry).
         """
         lines = [
             f"W4A16 MoE plans: capacity {self.capacity:,} tokens, top-{self.topk}, "
             f"{self.num_experts:,} experts, prefill threshold m > {self.prefill_min_m:,}"
         ]
-        for lo, hi, plan in self.bands():
-            kind = "prefill" if plan is self.prefill and plan is not None else "decode"
-            policy = ", ".join(
-                f"M={size} for m in [{a:,}, {b:,}]" for a, b, size in self._policy_bands(lo, hi)
-            )
-            lines.append(
-                f"  m in [{lo:,}, {hi:,}]: {kind} M={plan.block_m} "
-                f"({plan.route_slots:,} route slots, {plan.num_blocks:,} blocks)"
-            )
+        for band in self.bands:
+            policy = ", ".join(f"M={size} for m in [{a:,}, {b:,}]" for a, b, size
+                               in policy_runs(band.lo, band.hi, self.topk, self.num_experts))
+            lines.append(f"  m in [{band.lo:,}, {band.hi:,}]: {band.role} M={band.block_m} "
+                         f"({band.route_slots:,} route slots, {band.max_blocks:,} blocks)")
             lines.append(f"    policy alone would pick: {policy}")
-        rejected = [v for v in self.decisions if not v.ok]
+        rejected = [c for c in self.candidates if not c.ok]
         if rejected:
             lines.append("  rejected geometries:")
-            lines.extend(f"    {v.summary()}" for v in rejected)
-        accepted = [v for v in self.decisions if v.ok]
-        if accepted:
-            lines.append(f"  accepted geometry: {accepted[-1].summary()}")
+            lines.extend(f"    {c.verdict.summary()}" for c in rejected)
+        lines.extend(f"  accepted geometry: {c.verdict.summary()}" for c in self.candidates if c.ok)
         lines.extend(f"  note: {n}" for n in self.notes)
         if scratch_bytes:
             parts = ", ".join(f"{k} {v:,} B" for k, v in scratch_bytes.items())
@@ -370,36 +449,63 @@ class PlanPairLayout:
         return "\n".join(lines)
 
 
-def plan_pair_layout(
+def candidate_bound(capacity: int, topk: int, num_experts: int, env: PlanEnv) -> int:
+    """Upper bound on the sizes :func:`plan_routes` asks the check about (progress bars).
+
+    Every size asked is at most the prefill candidate (the pin, else the policy's choice at
+    ``capacity``): the walk goes down from it, a banded plan asks the sizes below the accepted
+    one, and M=8 is the floor. Just M=8 when no prefill plan is possible.
+    """
+    _check_int("capacity", capacity, minimum=1)
+    if env.prefill_disabled or capacity <= env.prefill_min_m:
+        return 1
+    top = env.pinned_block_m or select_route_block_size_m(capacity, topk, num_experts)
+    return sum(1 for s in ROUTE_BLOCK_SIZES if s <= top)
+
+
+def plan_routes(
     capacity: int,
     topk: int,
     num_experts: int,
     env: PlanEnv,
     check: GeometryCheck,
-) -> PlanPairLayout:
-    """Lay out the decode / prefill plan pair for up to ``capacity`` tokens.
+    *,
+    banded: bool = False,
+) -> RoutePlan:
+    """Plan the route block M of every call with up to ``capacity`` tokens.
 
-    The decode plan always exists at M=8 (its geometry is the kernel's to validate at
-    compile time; ``check`` is only consulted for the prefill choice). The prefill plan is
-    chosen by :func:`choose_prefill_block` unless the capacity does not exceed
-    ``env.prefill_min_m`` (it could never bind; ``check`` is not called). It is dropped, with a
+    The decode plan is M=8 for ``m <= env.prefill_min_m`` (and for every ``m`` without a
+    prefill plan). The prefill plan's M is chosen by :func:`choose_prefill_block` unless the
+    capacity does not exceed ``env.prefill_min_m`` (it could never bind). It is dropped, with a
     note, when disabled, when every size is rejected, or when the choice is M=8 (it would be
-    the decode plan again). With a prefill plan the decode plan's capacity is
-    ``env.prefill_min_m``; without one it is ``capacity``.
+    the decode plan again). Then ``check`` is asked about M=8 (the decode plan; a rejection is
+    the plan's :attr:`~RoutePlan.error`), and with ``banded`` about each size between M=8 and
+    the prefill M, ascending (see :attr:`RoutePlan.banded` for how the bands then bind).
+    ``check`` is called at most once per size.
+
+    Raises:
+        ValueError / TypeError: as :func:`choose_prefill_block`; any exception ``check``
+            raises propagates unchanged (a frozen compile cache's miss is never a rejection).
     """
     _check_int("capacity", capacity, minimum=1)
     select_route_block_size_m(capacity, topk, num_experts)  # validate topk / num_experts
+    asked: dict[int, Candidate] = {}
+
+    def asking(purpose: Purpose) -> Callable[[int], GeometryVerdict]:
+        def ask(block_m: int) -> GeometryVerdict:
+            if block_m not in asked:
+                asked[block_m] = Candidate(_as_verdict(block_m, check(block_m)), purpose)
+            return asked[block_m].verdict
+        return ask
+
     notes: list[str] = []
-    decisions: list[GeometryVerdict] = []
     prefill_m: Optional[int] = None
     if env.prefill_disabled:
         notes.append(f"prefill plan disabled by {ENV_PREFILL_BLOCK_M}=0")
     elif capacity <= env.prefill_min_m:
-        notes.append(
-            f"no prefill plan: capacity {capacity:,} <= threshold {env.prefill_min_m:,}"
-        )
+        notes.append(f"no prefill plan: capacity {capacity:,} <= threshold {env.prefill_min_m:,}")
     else:
-        prefill_m, decisions = choose_prefill_block(capacity, topk, num_experts, env, check)
+        prefill_m, _ = choose_prefill_block(capacity, topk, num_experts, env, asking("prefill"))
         if env.pinned_block_m is not None:
             notes.append(f"prefill M pinned to {env.pinned_block_m} by {ENV_PREFILL_BLOCK_M}")
         if prefill_m is None:
@@ -407,17 +513,45 @@ def plan_pair_layout(
         elif prefill_m == DECODE_BLOCK_M:
             notes.append(f"no prefill plan: its M={prefill_m} equals the decode plan's")
             prefill_m = None
+    asking("decode")(DECODE_BLOCK_M)
 
-    if prefill_m is None:
-        decode = PlanLayout.build(DECODE_BLOCK_M, capacity, topk, num_experts)
-        prefill = None
-    else:
-        decode = PlanLayout.build(DECODE_BLOCK_M, env.prefill_min_m, topk, num_experts)
-        prefill = PlanLayout.build(prefill_m, capacity, topk, num_experts)
-    return PlanPairLayout(
-        decode=decode,
-        prefill=prefill,
+    between: list[int] = []
+    if banded and prefill_m is not None:
+        ask = asking("band")
+        between = [s for s in ROUTE_BLOCK_SIZES if DECODE_BLOCK_M < s < prefill_m and ask(s).ok]
+        if between:
+            notes.append(f"banded: above the threshold a call binds the policy's M at its own m "
+                         f"among {between + [prefill_m]} (the next narrower one where the "
+                         f"policy's is not among them, M={DECODE_BLOCK_M} below the narrowest)")
+        else:  # nothing to band with: the pair's binding
+            notes.append(f"banded: no accepted size between M={DECODE_BLOCK_M} and "
+                         f"M={prefill_m}: every call above the threshold binds M={prefill_m}")
+    runs = [(1, capacity if prefill_m is None else env.prefill_min_m, DECODE_BLOCK_M)]
+    if prefill_m is not None and not between:
+        runs.append((env.prefill_min_m + 1, capacity, prefill_m))
+    elif prefill_m is not None:
+        sizes = between + [prefill_m]
+        for a, b, want in policy_runs(env.prefill_min_m + 1, capacity, topk, num_experts):
+            runs.append((a, b, max((s for s in sizes if s <= want), default=DECODE_BLOCK_M)))
+    merged: list[tuple[int, int, int]] = []
+    for a, b, size in runs:
+        if merged and merged[-1][2] == size:
+            merged[-1] = (merged[-1][0], b, size)
+        else:
+            merged.append((a, b, size))
+
+    def role(size: int) -> BandRole:
+        return "decode" if size == DECODE_BLOCK_M else "prefill" if size == prefill_m else "band"
+
+    return RoutePlan(
+        capacity=capacity,
+        topk=topk,
+        num_experts=num_experts,
         prefill_min_m=env.prefill_min_m,
-        decisions=tuple(decisions),
+        prefill_m=prefill_m,
+        bands=tuple(TokenBand.build(a, b, size, role(size), topk, num_experts)
+                    for a, b, size in merged),
+        candidates=tuple(asked.values()),
         notes=tuple(notes),
+        banded=banded,
     )

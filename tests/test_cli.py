@@ -28,7 +28,7 @@ from kquant_cute.prewarm import (
     PrewarmEvent,
     needed_failures,
     prewarm,
-    spec_bound,
+    prewarm_plans,
 )
 
 pytestmark = pytest.mark.slow
@@ -92,6 +92,8 @@ def test_cold_run_compiles_decode_and_prefill(warm: dict[str, Any]) -> None:
     assert "[sm_90a] W4A16 MoE plans" in warm["out"] and "prefill M=64" in warm["out"]
     assert "GEMM: M=8 async wgmma, M=64 async wgmma" in warm["out"]
     assert "GEMM: M=8 mma.sync, M=64 mma.sync" in warm["out"]
+    # describe() lists every accepted geometry, the decode's too (with its measurements).
+    assert warm["out"].count("accepted geometry: M=8: ok (") == 2
     assert warm["err"].count("compiled (") == 4  # non-TTY progress: one line per spec
     assert "\r" not in warm["err"]
     assert len(list(warm["dir"].glob("*.json"))) == 4
@@ -149,8 +151,12 @@ def test_prewarm_api_and_progress(warm: dict[str, Any]) -> None:
     # A second prewarm on the same cache object is served from memory.
     again = prewarm(SMALL_SPEC, archs=["120"], capacity=512, env=PlanEnv(), cache=cache)
     assert {r.cache for r in again} == {"memory"}
-    assert spec_bound(SMALL_SPEC, 512, PlanEnv(prefill_disabled=True)) == 1
-    assert spec_bound(SMALL_SPEC, 512, PlanEnv(pinned_block_m=16)) == 2
+    # The report is the planner's plan with the cache's answers: no second walk, no wrapper.
+    (arch,) = prewarm_plans(SMALL_SPEC, archs=["120"], capacity=512, env=PlanEnv(), cache=cache)
+    assert [(b.lo, b.hi, b.block_m) for b in arch.plan.route.bands] == [(1, 256, 8), (257, 512, 64)]
+    assert [c.block_m for c in arch.plan.route.candidates] == [64, 8]
+    assert [(r.block_m, r.seconds, r.key) for r in arch.records] == [
+        (m, round(arch.plan.outcomes[m].seconds, 3), arch.plan.outcomes[m].result.key) for m in (8, 64)]
 
 
 def test_list_and_clear(warm: dict[str, Any], tmp_path: Path) -> None:
@@ -208,6 +214,22 @@ def test_pinned_and_disabled_prefill(warm: dict[str, Any], tmp_path: Path,
     rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(scratch), "--json"])
     assert rc == 0, err
     assert [(r["block_m"], r["role"]) for r in json.loads(out)] == [(8, "decode")]
+
+
+def test_banded_prewarms_what_a_banded_layer_binds(warm: dict[str, Any], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """--banded: the banded plan's sizes between the decode and the prefill M are compiled
+    too (role "band"), and --describe shows the token band each one serves."""
+    scratch = copy_cache(warm["dir"], tmp_path / "c")
+    monkeypatch.setenv(ENV_PREFILL_MIN_M, "16")
+    rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(scratch), "--json",
+                             "--describe", "--banded", "-q"])
+    assert rc == 0, err
+    got = [(r["block_m"], r["role"], r["status"]) for r in json.loads(out)]
+    assert got == [(8, "decode", "cached"), (64, "prefill", "cached"), (16, "band", "compiled"),
+                   (32, "band", "compiled"), (48, "band", "compiled")]
+    assert "m in [29, 57]: band M=16" in err and "m in [173, 512]: prefill M=64" in err
+    assert "GEMM: M=8 mma.sync, M=16 mma.sync, M=32 mma.sync, M=48 mma.sync, M=64 mma.sync" in err
 
 
 def test_rejected_fallback_is_reported_not_fatal(tmp_path: Path) -> None:

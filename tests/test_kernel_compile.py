@@ -80,8 +80,8 @@ def test_sm120_rejects_wide_block_that_sm90_accepts(cache):
     p120 = plan_forward(base, capacity=4096, arch="sm_120", env=env, cache=cache)
     assert p90.prefill.spec.block_m == 64
     assert p120.prefill.spec.block_m == 48
-    walk = [(d.block_m, d.ok) for d in p120.layout.decisions]
-    assert walk == [(64, False), (48, True)]
+    walk = [(c.block_m, c.ok) for c in p120.route.candidates]
+    assert walk == [(64, False), (48, True), (8, True)]
     text = p120.describe()
     assert "M=64: rejected" in text and "shared memory" in text
 
@@ -119,9 +119,11 @@ def test_banded_plan_binds_the_policy_choice_per_call(cache):
     env = resolve_env({})
     pair = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache)
     banded = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache, banded=True)
-    assert sorted(banded.bands) == [16, 32, 48, 64]
+    assert banded.route.block_sizes == (8, 16, 32, 48, 64) and list(banded.entries) == [8, 16, 32, 48, 64]
     picks = {m: banded.plan_for(m).spec.block_m for m in (1, 256, 257, 512, 1536, 2048, 4096)}
     assert picks == {1: 8, 256: 8, 257: 8, 512: 16, 1536: 32, 2048: 48, 4096: 64}
+    assert all(banded.plan_for(m).spec.block_m == b.block_m
+               for b in banded.route.bands for m in (b.lo, b.hi))
     assert {m: pair.plan_for(m).spec.block_m for m in (256, 257, 512)} == {256: 8, 257: 64, 512: 64}
     assert "banded" in banded.describe()
 
@@ -195,9 +197,9 @@ def test_sqg_e4m3_sm120_plan_falls_back_to_a_block_that_fits(cache):
     base = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=4)
     env = resolve_env({})
     p120 = plan_forward(base, capacity=4096, arch="sm_120", env=env, cache=cache)
-    walk = [(d.block_m, d.ok) for d in p120.layout.decisions]
-    assert walk == [(64, False), (48, False), (32, True)]
-    assert all("state table" in d.reason for d in p120.layout.decisions if not d.ok)
+    walk = [(c.block_m, c.ok) for c in p120.route.candidates]
+    assert walk == [(64, False), (48, False), (32, True), (8, True)]
+    assert all("state table" in c.verdict.reason for c in p120.route.candidates if not c.ok)
     assert p120.prefill.spec.block_m == 32 and p120.decode.spec.block_m == 8
     assert "M=48: rejected" in p120.describe()
     assert geometry_check(base.replace(block_m=64, arch="sm_90a"), cache).ok

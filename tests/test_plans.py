@@ -1,4 +1,4 @@
-"""Tests for planners.plans: env knobs, prefill block fallback, plan-pair layout and describe()."""
+"""Tests for planners.plans: env knobs, prefill block fallback, the route plan and describe()."""
 
 from __future__ import annotations
 
@@ -10,14 +10,18 @@ from kquant_cute.planners import (
     ENV_PREFILL_BLOCK_M,
     ENV_PREFILL_MIN_M,
     ROUTE_BLOCK_SIZES,
+    Candidate,
     GeometryVerdict,
     PlanEnv,
-    PlanLayout,
-    PlanPairLayout,
+    RoutePlan,
+    TokenBand,
     arch_limits,
+    candidate_bound,
     choose_prefill_block,
+    max_route_blocks,
     padded_route_slots,
-    plan_pair_layout,
+    plan_routes,
+    policy_runs,
     resolve_env,
     select_route_block_size_m,
 )
@@ -196,114 +200,237 @@ def test_check_contract_errors():
 
 
 # ---------------------------------------------------------------------------------------
-# PlanLayout / PlanPairLayout
+# plan_routes / RoutePlan / TokenBand
 # ---------------------------------------------------------------------------------------
 
 
-def test_plan_layout_sizing():
-    plan = PlanLayout.build(32, 8192, 16, 896)
-    assert plan.route_slots == padded_route_slots(8192 * 16, 896, 32) == 8192 * 16 + 896 * 31
-    assert plan.num_blocks == plan.route_slots // 32
+def test_token_band_sizing():
+    band = TokenBand.build(257, 8192, 32, "prefill", 16, 896)
+    assert band.route_slots == padded_route_slots(8192 * 16, 896, 32) == 8192 * 16 + 896 * 31
+    assert band.max_blocks == band.route_slots // 32
     with pytest.raises(ValueError):
-        PlanLayout(block_m=32, capacity=8192, topk=16, num_experts=896, route_slots=1, num_blocks=1)
+        TokenBand(lo=1, hi=8192, block_m=32, role="prefill", route_slots=100, max_blocks=1)
+    with pytest.raises(ValueError):  # the decode role is M=8 and only M=8
+        TokenBand.build(1, 256, 16, "decode", 16, 896)
+    with pytest.raises(ValueError):
+        TokenBand.build(300, 256, 8, "decode", 16, 896)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.block_m = 8  # type: ignore[misc]
+        band.block_m = 8  # type: ignore[misc]
 
 
-def test_pair_with_fallback():
-    pair = plan_pair_layout(8192, 16, 896, PlanEnv(), RecordingCheck({64: SMEM_64, 48: REGS_48}))
-    assert pair.decode.block_m == 8 and pair.decode.capacity == 256
-    assert pair.prefill is not None and pair.prefill.block_m == 32 and pair.prefill.capacity == 8192
-    assert (pair.capacity, pair.topk, pair.num_experts) == (8192, 16, 896)
-    assert [d.block_m for d in pair.decisions] == [64, 48, 32]
-    assert pair.plan_for(1) is pair.decode
-    assert pair.plan_for(256) is pair.decode
-    assert pair.plan_for(257) is pair.prefill
-    assert pair.plan_for(8192) is pair.prefill
-    with pytest.raises(ValueError):
-        pair.plan_for(8193)
-    with pytest.raises(ValueError):
-        pair.plan_for(0)
+def test_plan_with_fallback():
+    check = RecordingCheck({64: SMEM_64, 48: REGS_48})
+    plan = plan_routes(8192, 16, 896, PlanEnv(), check)
+    assert check.calls == [64, 48, 32, 8]  # the walk, then the decode M=8
+    assert [(b.lo, b.hi, b.block_m, b.role) for b in plan.bands] == [
+        (1, 256, 8, "decode"), (257, 8192, 32, "prefill")]
+    assert plan.bands[0].route_slots == padded_route_slots(256 * 16, 896, 8)
+    assert plan.route_slots == padded_route_slots(8192 * 16, 896, 32)
+    assert plan.prefill_m == 32 and plan.block_sizes == (8, 32) and plan.error is None
+    assert [(c.block_m, c.ok, c.purpose) for c in plan.candidates] == [
+        (64, False, "prefill"), (48, False, "prefill"), (32, True, "prefill"), (8, True, "decode")]
+    assert [plan.role(m) for m in (64, 48, 32, 8)] == [
+        "fallback-rejected", "fallback-rejected", "prefill", "decode"]
+    assert plan.verdict(48).reason == REGS_48 and plan.verdict(16) is None
+    assert [plan.band_for(m).block_m for m in (1, 256, 257, 8192)] == [8, 8, 32, 32]
+    assert plan.max_blocks(100) == max_route_blocks(1600, 896, 8)
+    assert plan.max_blocks(4000) == max_route_blocks(64000, 896, 32)
+    for bad in (0, 8193, True, 2.0):
+        with pytest.raises(ValueError):
+            plan.band_for(bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("min_m", [8, 9, 16, 256, 1000])
-def test_binds_prefill_never_at_or_below_threshold_or_8(min_m):
-    pair = plan_pair_layout(8192, 16, 896, PlanEnv(prefill_min_m=min_m), accept_all)
-    assert pair.prefill is not None
+def test_prefill_binds_only_above_threshold(min_m):
+    plan = plan_routes(8192, 16, 896, PlanEnv(prefill_min_m=min_m), accept_all)
+    assert plan.prefill_m == 64
     for m in range(1, 2000):
-        assert pair.binds_prefill(m) == (m > min_m and m > 8)
-    assert not any(pair.binds_prefill(m) for m in range(1, 9))
+        assert plan.band_for(m).block_m == (64 if m > min_m else 8)
 
 
 def test_no_prefill_cases_serve_everything_with_decode():
-    # Disabled by env.
-    pair = plan_pair_layout(8192, 16, 896, PlanEnv(prefill_disabled=True), accept_all)
-    assert pair.prefill is None and pair.decode.capacity == 8192
-    assert not any(pair.binds_prefill(m) for m in (1, 257, 8192))
-    assert "disabled" in pair.describe()
-    # Capacity never exceeds the threshold: the check is not even consulted.
+    # Disabled by env: only M=8 is asked about.
     check = RecordingCheck({})
-    pair = plan_pair_layout(256, 16, 896, PlanEnv(), check)
-    assert pair.prefill is None and check.calls == [] and pair.decode.capacity == 256
-    # Every geometry rejected.
-    pair = plan_pair_layout(8192, 16, 896, PlanEnv(), RecordingCheck({s: "no" for s in ROUTE_BLOCK_SIZES}))
-    assert pair.prefill is None and len(pair.decisions) == 5 and pair.decode.capacity == 8192
+    plan = plan_routes(8192, 16, 896, PlanEnv(prefill_disabled=True), check)
+    assert plan.prefill_m is None and check.calls == [8]
+    assert [(b.lo, b.hi, b.block_m) for b in plan.bands] == [(1, 8192, 8)]
+    assert "disabled" in plan.describe()
+    # Capacity never exceeds the threshold: the walk does not run.
+    check = RecordingCheck({})
+    plan = plan_routes(256, 16, 896, PlanEnv(), check)
+    assert plan.prefill_m is None and check.calls == [8] and plan.bands[0].hi == 256
+    # Every geometry rejected: the walk's answer for M=8 is the decode's (asked once).
+    check = RecordingCheck({s: "no" for s in ROUTE_BLOCK_SIZES})
+    plan = plan_routes(8192, 16, 896, PlanEnv(), check)
+    assert plan.prefill_m is None and check.calls == [64, 48, 32, 16, 8]
+    assert plan.error == "the decode specialization is not implementable: no"
+    assert plan.role(8) == "decode" and plan.bands[0].hi == 8192
     # Policy picks M=8 at capacity: a prefill plan would be the decode plan again.
-    pair = plan_pair_layout(300, 16, 896, PlanEnv(), accept_all)
+    plan = plan_routes(300, 16, 896, PlanEnv(), accept_all)
     assert select_route_block_size_m(300, 16, 896) == 8
-    assert pair.prefill is None and pair.decode.capacity == 300
-    assert "equals the decode plan" in pair.describe()
+    assert plan.prefill_m is None and plan.bands[0].hi == 300
+    assert "equals the decode plan" in plan.describe()
 
 
-def test_pair_layout_validation():
-    decode = PlanLayout.build(8, 256, 16, 896)
-    prefill = PlanLayout.build(32, 8192, 16, 896)
-    PlanPairLayout(decode=decode, prefill=prefill, prefill_min_m=256)
-    with pytest.raises(ValueError):  # decode must be M=8
-        PlanPairLayout(decode=prefill, prefill=None, prefill_min_m=256)
-    with pytest.raises(ValueError):  # gap between decode capacity and threshold
-        PlanPairLayout(decode=PlanLayout.build(8, 100, 16, 896), prefill=prefill, prefill_min_m=256)
-    with pytest.raises(ValueError):  # prefill could never bind
-        PlanPairLayout(decode=decode, prefill=PlanLayout.build(32, 256, 16, 896), prefill_min_m=256)
-    with pytest.raises(ValueError):  # topk mismatch
-        PlanPairLayout(decode=decode, prefill=PlanLayout.build(32, 8192, 8, 896), prefill_min_m=256)
+def test_banded_plan_bands_by_the_policy_at_each_m():
+    """Banded: above the threshold a call binds the policy's M at its own m; a rejected size
+    falls to the next narrower accepted one; the bands are maximal runs of one M."""
+    check = RecordingCheck({48: REGS_48})
+    plan = plan_routes(8192, 16, 896, PlanEnv(), check, banded=True)
+    assert check.calls == [64, 8, 16, 32, 48]  # the walk, the decode, then the bands
+    assert plan.block_sizes == (8, 16, 32, 64)
+    assert [(b.lo, b.hi, b.block_m, b.role) for b in plan.bands] == [
+        (1, 403, 8, "decode"), (404, 806, 16, "band"), (807, 2419, 32, "band"),
+        (2420, 8192, 64, "prefill")]
+    assert plan.role(48) == "band-rejected" and plan.role(16) == "band"
+    assert all(plan.band_for(m).block_m == 8 for m in (1, 256, 257, 403))
+    assert plan.route_slots == padded_route_slots(8192 * 16, 896, 64)
+    text = plan.describe()
+    assert "m in [807, 2,419]: band M=32" in text and "banded:" in text
+    assert f"M=48: rejected: {REGS_48}" in text
+    # Nothing accepted between M=8 and the prefill M: the pair's binding, said so.
+    plan = plan_routes(8192, 16, 896, PlanEnv(pinned_block_m=16), accept_all, banded=True)
+    assert [(b.lo, b.block_m) for b in plan.bands] == [(1, 8), (257, 16)]
+    assert "no accepted size between M=8 and M=16" in plan.describe()
+
+
+def test_route_plan_validation():
+    decode = TokenBand.build(1, 256, 8, "decode", 16, 896)
+    prefill = TokenBand.build(257, 8192, 32, "prefill", 16, 896)
+    kw = dict(capacity=8192, topk=16, num_experts=896, prefill_min_m=256)
+    RoutePlan(**kw, prefill_m=32, bands=(decode, prefill))
+    with pytest.raises(ValueError):  # a gap between the bands
+        RoutePlan(**kw, prefill_m=32, bands=(TokenBand.build(1, 100, 8, "decode", 16, 896), prefill))
+    with pytest.raises(ValueError):  # the bands stop short of the capacity
+        RoutePlan(**{**kw, "capacity": 9000}, prefill_m=32, bands=(decode, prefill))
+    with pytest.raises(ValueError):  # a band whose M is no specialization of the plan
+        RoutePlan(**kw, prefill_m=64, bands=(decode, prefill))
+    with pytest.raises(ValueError):  # bounds computed for another top-k
+        RoutePlan(**kw, prefill_m=32, bands=(decode, TokenBand.build(257, 8192, 32, "prefill", 8, 896)))
+    with pytest.raises(ValueError):  # the prefill plan could never bind
+        RoutePlan(**{**kw, "capacity": 256}, prefill_m=32, bands=(decode,))
     with pytest.raises(ValueError):
-        PlanPairLayout(decode=decode, prefill=prefill, prefill_min_m=7)
+        RoutePlan(**{**kw, "prefill_min_m": 7}, prefill_m=32, bands=(decode, prefill))
+    v = GeometryVerdict(block_m=32, ok=True)
+    with pytest.raises(ValueError):  # one candidate per size
+        RoutePlan(**kw, prefill_m=32, bands=(decode, prefill),
+                  candidates=(Candidate(v, "prefill"), Candidate(v, "band")))
 
 
 def test_describe_text():
-    pair = plan_pair_layout(8192, 16, 896, PlanEnv(), RecordingCheck({64: SMEM_64, 48: REGS_48}))
-    text = pair.describe(scratch_bytes={"decode": 1_000, "prefill": 123_456})
-    assert "m in [1, 256]: decode M=8" in text
-    assert "m in [257, 8,192]: prefill M=32" in text
+    plan = plan_routes(8192, 16, 896, PlanEnv(), RecordingCheck({64: SMEM_64, 48: REGS_48}))
+    text = plan.describe(scratch_bytes={"arena": 1_000, "output": 123_456})
+    assert "m in [1, 256]: decode M=8 (10,368 route slots, 1,296 blocks)" in text
+    assert "m in [257, 8,192]: prefill M=32 (158,848 route slots, 4,964 blocks)" in text
     # The policy's own choices over the prefill band, for information.
     assert "M=16 for m in [404, 806]" in text and "M=64 for m in [2,420, 8,192]" in text
     assert f"M=64: rejected: {SMEM_64}" in text and f"M=48: rejected: {REGS_48}" in text
+    # Every accepted candidate, the decode's too (an unmeasured one says so).
+    assert "accepted geometry: M=32: ok" in text and "accepted geometry: M=8: ok" in text
     assert "scratch: one shared arena of 123,456 B" in text
-    assert len(text.splitlines()) >= 7
-    pinned = plan_pair_layout(8192, 16, 896, PlanEnv(pinned_block_m=16), accept_all).describe()
+    pinned = plan_routes(8192, 16, 896, PlanEnv(pinned_block_m=16), accept_all).describe()
     assert "prefill M=16" in pinned and ENV_PREFILL_BLOCK_M in pinned
+    unmeasured = plan_routes(64, 2, 8, PlanEnv(), lambda m: GeometryVerdict(m, True, measured=False))
+    assert "M=8: ok (unmeasured: no cuobjdump" in unmeasured.describe()
 
 
-def test_policy_bands_partition_the_band():
-    pair = plan_pair_layout(8192, 8, 64, PlanEnv(), accept_all)
-    for lo, hi, _ in pair.bands():
-        bands = pair._policy_bands(lo, hi)
-        assert bands[0][0] == lo and bands[-1][1] == hi
-        for (a, b, size), nxt in zip(bands, bands[1:] + [None]):
+def test_policy_runs_partition_the_band():
+    plan = plan_routes(8192, 8, 64, PlanEnv(), accept_all)
+    for band in plan.bands:
+        runs = policy_runs(band.lo, band.hi, 8, 64)
+        assert runs[0][0] == band.lo and runs[-1][1] == band.hi
+        for (a, b, size), nxt in zip(runs, runs[1:] + [None]):
             assert all(select_route_block_size_m(m, 8, 64) == size for m in (a, b, (a + b) // 2))
             if nxt is not None:
                 assert nxt[0] == b + 1 and nxt[2] > size
+                assert select_route_block_size_m(b + 1, 8, 64) != size
 
 
-def test_layer_scratch_is_the_max_of_both_plans(tmp_path) -> None:
+# The computation the plan replaced, written out as it was (planners.plans.plan_pair_layout
+# and compiler.ForwardPlan before one plan owned the bands): the M a call binds, its grid
+# bound, the scratch route list and the sizes compiled.
+def _old_plan(capacity, topk, experts, env, rejected, banded):
+    calls = []
+
+    def ok(m):
+        calls.append(m)
+        return m not in rejected
+
+    prefill = None
+    if not env.prefill_disabled and capacity > env.prefill_min_m:
+        top = env.pinned_block_m or select_route_block_size_m(capacity, topk, experts)
+        prefill = next((s for s in sorted(ROUTE_BLOCK_SIZES, reverse=True) if s <= top and ok(s)), None)
+        prefill = None if prefill == 8 else prefill
+    ok(8)
+    bands = {}
+    if banded and prefill is not None:
+        bands = {s: s for s in ROUTE_BLOCK_SIZES if 8 < s < prefill and ok(s)}
+        if bands:
+            bands[prefill] = prefill
+
+    def block_m(m):
+        if prefill is None or not (m > env.prefill_min_m and m > 8):
+            return 8
+        if not bands:
+            return prefill
+        want = select_route_block_size_m(m, topk, experts)
+        fits = [b for b in bands if b <= want]
+        return max(fits) if fits else 8
+
+    specs = {8, *bands} | ({prefill} if prefill else set())
+    slots = max(padded_route_slots(capacity * topk, experts, s) for s in specs)
+    blocks = lambda m: max_route_blocks(m * topk, experts, block_m(m))  # noqa: E731
+    return block_m, blocks, slots, list(dict.fromkeys(calls)), tuple(sorted(specs))
+
+
+@pytest.mark.parametrize("banded", [False, True])
+@pytest.mark.parametrize("environ", [
+    {}, {ENV_PREFILL_BLOCK_M: "0"}, {ENV_PREFILL_MIN_M: "8"}, {ENV_PREFILL_MIN_M: "1000"},
+    {ENV_PREFILL_BLOCK_M: "16"}, {ENV_PREFILL_BLOCK_M: "32"}, {ENV_PREFILL_BLOCK_M: "48"},
+    {ENV_PREFILL_BLOCK_M: "64"}, {ENV_PREFILL_BLOCK_M: "8"},
+    {ENV_PREFILL_BLOCK_M: "64", ENV_PREFILL_MIN_M: "16"},
+], ids=lambda e: ",".join(f"{k[13:]}={v}" for k, v in e.items()) or "default")
+def test_plan_numbers_equal_the_old_computation(environ, banded):
+    """For several geometries, plan knobs (pins by KQUANT_W4A16_PREFILL_BLOCK_M, 0, the
+    threshold), rejections and banded plans, the plan binds the same M for every m, launches
+    the same grid, asks the check the same questions and compiles the same sizes as the
+    computation it replaced; the scratch route list is the same, except (banded only) where
+    the widest compiled size binds for no m: then it is the bound of the widest band."""
+    env = resolve_env(environ)
+    for capacity, topk, experts in ((8192, 16, 896), (1536, 16, 896), (512, 2, 8),
+                                    (3000, 8, 64), (300, 4, 128), (256, 16, 896)):
+        for rejected in ((), (64,), (64, 48), (48,), (32,), (16, 32, 48, 64), (16, 32, 48)):
+            block_m, blocks, slots, calls, specs = _old_plan(capacity, topk, experts, env,
+                                                             rejected, banded)
+            check = RecordingCheck({m: "no" for m in rejected})
+            plan = plan_routes(capacity, topk, experts, env, check, banded=banded)
+            what = (capacity, topk, experts, rejected)
+            assert check.calls == calls, what
+            assert plan.block_sizes == specs, what
+            for m in range(1, capacity + 1):
+                assert plan.band_for(m).block_m == block_m(m), (what, m)
+                assert plan.max_blocks(m) == blocks(m), (what, m)
+            if plan.route_slots != slots:
+                assert banded and specs[-1] not in {b.block_m for b in plan.bands}, what
+                assert plan.route_slots == max(b.route_slots for b in plan.bands) < slots
+            assert len(check.calls) <= candidate_bound(capacity, topk, experts, env), what
+
+
+def test_candidate_bound():
+    assert candidate_bound(8192, 16, 896, PlanEnv()) == 5
+    assert candidate_bound(1536, 16, 896, PlanEnv()) == 3  # policy M=32: 32, 16, 8
+    assert candidate_bound(8192, 16, 896, PlanEnv(pinned_block_m=16)) == 2
+    assert candidate_bound(8192, 16, 896, PlanEnv(prefill_disabled=True)) == 1
+    assert candidate_bound(256, 16, 896, PlanEnv()) == 1
+
+
+def test_layer_scratch_is_sized_by_the_plan(tmp_path) -> None:
     """The plan owns the route bounds the layer allocates and launches with: the scratch
-    route list is the max over its plans' M at the capacity, a call's grid is the bound at
-    its own m and the M it binds; the arena holds every scratch argument, aligned."""
+    route list is the bound over its bands, a call's grid is the bound at its own m and the
+    M it binds; the arena holds every scratch argument, aligned."""
     from kquant_cute.compile_cache import CompileCache
     from kquant_cute.compiler import plan_forward
     from kquant_cute.kernels.launch import ARGS, scratch_layout
-    from kquant_cute.planners.policy import max_route_blocks, padded_route_slots
     from kquant_cute.prewarm import DEFAULT_GEOMETRY
 
     base = DEFAULT_GEOMETRY.replace(hidden=256, intermediate=256)
@@ -311,11 +438,12 @@ def test_layer_scratch_is_the_max_of_both_plans(tmp_path) -> None:
     n = cap * base.topk
     plan = plan_forward(base, capacity=cap, arch="sm_120", env=resolve_env({}),
                         cache=CompileCache(tmp_path))
-    assert sorted(s.block_m for s in plan.specs()) == [8, 64]
-    assert plan.route_slots() == max(padded_route_slots(n, base.num_experts, m) for m in (8, 64))
-    assert plan.max_blocks(100) == max_route_blocks(100 * 16, 896, 8)
-    assert plan.max_blocks(4000) == max_route_blocks(4000 * 16, 896, 64)
-    both = scratch_layout(base, capacity=cap, max_slots=plan.route_slots())
+    assert sorted(s.block_m for s in plan.specs()) == [8, 64] == list(plan.entries)
+    assert plan.route.route_slots == max(padded_route_slots(n, base.num_experts, m) for m in (8, 64))
+    assert plan.route.max_blocks(100) == max_route_blocks(100 * 16, 896, 8)
+    assert plan.route.max_blocks(4000) == max_route_blocks(4000 * 16, 896, 64)
+    assert plan.plan_for(100) is plan.decode and plan.plan_for(4000) is plan.prefill
+    both = scratch_layout(base, capacity=cap, max_slots=plan.route.route_slots)
     decode_only = scratch_layout(base, capacity=cap, max_slots=padded_route_slots(n, base.num_experts, 8))
     wide_only = scratch_layout(base, capacity=cap, max_slots=padded_route_slots(n, base.num_experts, 64))
     assert both.nbytes == max(decode_only.nbytes, wide_only.nbytes)
@@ -327,6 +455,8 @@ def test_layer_scratch_is_the_max_of_both_plans(tmp_path) -> None:
     assert all(b.offset % 256 == 0 for b in both.buffers)
     # Every scratch argument of the entry point is a buffer of the layout, and only those.
     assert {a.name for a in ARGS if a.kind == "scratch"} == set(both.names)
+    # The cache's answer to every request planning made is kept, by M.
+    assert {m: o.result.status for m, o in plan.outcomes.items()} == {64: "compiled", 8: "compiled"}
 
 
 def test_int_args_cover_every_int_argument_of_the_entry_point():
