@@ -245,6 +245,45 @@ def test_rejected_fallback_is_reported_not_fatal(tmp_path: Path) -> None:
     assert "2 compiled, 0 cached, 1 rejected, 0 failed" in err
 
 
+def test_failed_builds_are_reported_once_each(warm: dict[str, Any], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build that raises is a failed candidate: one line of the error, built once, and the
+    walk goes on; a failed decode build makes the plan unbindable (exit 1, the reason)."""
+    from kquant_cute import compiler
+
+    scratch = copy_cache(warm["dir"], tmp_path / "c")
+    real, builds, broken = compiler.kbuild.compile_forward, [], {64}
+
+    def compile_forward(spec):
+        builds.append(spec.block_m)
+        if spec.block_m in broken:
+            raise RuntimeError(f"boom at M={spec.block_m}\nsecond line")
+        return real(spec)
+
+    monkeypatch.setattr(compiler.kbuild, "compile_forward", compile_forward)
+    (scratch / f"{_entry_of(scratch, 'sm_120a', 64)}.json").unlink()
+    rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(scratch), "--json", "-q"])
+    assert rc == 0, err
+    got = [(r["block_m"], r["role"], r["status"], r["reason"]) for r in json.loads(out)]
+    assert got == [(8, "decode", "cached", None),
+                   (64, "fallback-rejected", "failed", "compile failed: RuntimeError: boom at M=64"),
+                   (48, "prefill", "compiled", None)]
+    assert builds == [64, 48]
+
+    broken.add(8)
+    builds.clear()
+    (scratch / f"{_entry_of(scratch, 'sm_120a', 8)}.json").unlink()
+    rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(scratch), "--json",
+                             "--describe", "-q"])
+    assert rc == 1
+    assert [(r["block_m"], r["status"]) for r in json.loads(out)] == [
+        (8, "failed"), (64, "failed"), (48, "cached")]
+    assert builds == [64, 8]
+    assert ("error: sm_120a: the decode specialization M=8 failed: compile failed: "
+            "RuntimeError: boom at M=8") in err
+    assert "error: the decode specialization is not implementable: compile failed" in err
+
+
 def test_frozen_checks_without_compiling(warm: dict[str, Any], tmp_path: Path) -> None:
     rc, out, _ = run_main(["--sm", "90", "--sm", "120", *SMALL, "--cache-dir", str(warm["dir"]),
                            "--frozen"])
