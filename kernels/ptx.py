@@ -218,6 +218,15 @@ def prmt_u32(a, sel: int, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def prmt2_u32(a, b, sel: int, *, loc=None, ip=None):
+    """Byte permute of the 8 bytes of (b:a) (selector nibbles 0-3: bytes of a, 4-7: of b)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [_u32(a, loc, ip), _u32(b, loc, ip)], f"prmt.b32 $0, $1, $2, {sel:#06x};",
+        "=r,r,r", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
 def shfl_xor_f32(x, offset: int, *, loc=None, ip=None):
     """Butterfly shuffle of an fp32 value across the full warp."""
     return Float32(llvm.inline_asm(
@@ -293,7 +302,7 @@ def wgmma_m64k16_f16_rs(acc, a0, a1, a2, a3, b_desc, *, loc=None, ip=None):
 
 __all__ = [
     "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "e4m3_table_pair", "hadd2", "st_shared_v2_f32",
-    "copy_shared_to_global_16", "funnel_hi", "prmt_u32",
+    "copy_shared_to_global_16", "funnel_hi", "prmt_u32", "prmt2_u32",
     "cp_async_16", "ldmatrix_x4", "wgmma_fence", "wgmma_commit", "st_shared_f32",
     "wgmma_wait", "fence_proxy_async_smem", "wgmma_m64k16_f16_rs", "shfl_xor_f32", "flat_tensor", "local_expert",
 ]
