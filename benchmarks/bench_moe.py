@@ -83,13 +83,14 @@ def run_table(wts, tokens, blocks, *, iters, knobs, peer=None, ceilings=None, de
             row[f"M{M}"] = ms if used == M or m <= 8 else None
             outs.append(out)
             del layer
-        layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ", **knobs)
+        layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ", banded=False,
+                         **knobs)  # the seed's plan pair
         row["plan"], row["plan_M"], out = time_layer(layer, m, iters=iters)
         outs.append(out)
         row["gemm"] = layer.plan.plan_for(m).spec.mma
         del layer
-        layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ", banded=True,
-                         **knobs)
+        layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ",
+                         **knobs)  # the default (banded) plan
         row["banded"], row["banded_M"], out = time_layer(layer, m, iters=iters)
         outs.append(out)
         del layer

@@ -8,7 +8,7 @@ what to compile is :mod:`kquant_cute.prewarm`'s job and how entries are stored i
     kquant-compile --sm 90 --sm 120 --experts 8 --hidden 256 --intermediate 256 --topk 2
     kquant-compile --sm 90 --json       # machine-readable records on stdout
     kquant-compile --sm 120 --describe  # also print the planner's describe() per arch
-    kquant-compile --sm 90 --banded     # also the sizes a banded MoELayer binds between
+    kquant-compile --sm 90 --pair       # only the seed's plan pair (MoELayer(banded=False))
     kquant-compile --list               # the cache entries (no compiling)
     kquant-compile --clear [--sm ...]   # empty the cache (then compile, if --sm is given)
     kquant-compile --frozen             # compile nothing: verify the cache is warm
@@ -118,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"GEMM cp.async pipeline stages (default {g.stages})")
     p.add_argument("--capacity", type=_positive_int, default=DEFAULT_CAPACITY,
                    help=f"most tokens per call the plans serve (default {DEFAULT_CAPACITY})")
-    p.add_argument("--banded", action="store_true",
-                   help="the banded plan of MoELayer(banded=True): also every accepted M between "
-                   "the decode and the prefill M")
+    p.add_argument("--pair", action="store_true",
+                   help="only the seed's plan pair of MoELayer(banded=False) (decode + prefill M); "
+                   "default: the banded plan, also every accepted M between the two")
     p.add_argument("--cache-dir", help="cache directory (overrides KQUANT_COMPILE_CACHE_DIR)")
     p.add_argument("--json", action="store_true",
                    help="print the records (or --list entries) as JSON on stdout")
@@ -413,7 +413,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         results: list[ArchPrewarm] = prewarm_plans(base, archs=archs, capacity=args.capacity,
                                                    env=env, cache=cache, progress=progress,
-                                                   banded=args.banded)
+                                                   banded=not args.pair)
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
     finally:

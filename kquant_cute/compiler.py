@@ -254,7 +254,7 @@ class ForwardPlan:
 
 
 def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] = None,
-                 cache: Optional[CompileCache] = None, banded: bool = False,
+                 cache: Optional[CompileCache] = None, banded: bool = True,
                  observe: Optional[Observer] = None) -> ForwardPlan:
     """Plan `base`'s shape for `arch` (`planners.plan_routes`, with `geometry_check`, which
     compiles through the cache, as the predicate) and attach the compiled entries by M.
@@ -284,9 +284,10 @@ def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] =
 
 
 def plan_forward(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] = None,
-                 cache: Optional[CompileCache] = None, banded: bool = False) -> ForwardPlan:
-    """`compile_plan` for a layer: the decode / prefill specializations (with `banded`, also
-    every accepted size between them; see `planners.RoutePlan`), compiled through the cache.
+                 cache: Optional[CompileCache] = None, banded: bool = True) -> ForwardPlan:
+    """`compile_plan` for a layer: the decode / prefill specializations (with `banded`, the
+    default, also every accepted size between them; `banded=False` is the seed's plan pair;
+    see `planners.RoutePlan`), compiled through the cache.
 
     Raises:
         ValueError: when the decode specialization is not implementable.

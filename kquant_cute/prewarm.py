@@ -298,7 +298,7 @@ def prewarm_plans(
     env: Optional[PlanEnv] = None,
     cache: Optional[CompileCache] = None,
     progress: Optional[ProgressFn] = None,
-    banded: bool = False,
+    banded: bool = True,
 ) -> list[ArchPrewarm]:
     """Compile, through ``cache``, every specialization the planner binds or evaluates.
 
@@ -306,7 +306,8 @@ def prewarm_plans(
     duplicates dropped) this runs :func:`kquant_cute.compiler.compile_plan` on ``base``'s
     shape: the prefill fallback walk (each M from the pin / policy choice down to the
     accepted one, each checked by ``geometry_check``), then the decode plan (M=8), then
-    with ``banded`` (the plan of ``MoELayer(banded=True)``) each size between them.
+    with ``banded`` (the default plan of ``MoELayer``) each size between them;
+    ``banded=False`` prewarms the seed's plan pair (``MoELayer(banded=False)``).
 
     ``env`` defaults to :func:`~kquant_cute.planners.resolve_env` of the process
     environment (ValueError naming the variable when invalid); ``cache`` to
@@ -332,7 +333,7 @@ def prewarm(
     env: Optional[PlanEnv] = None,
     cache: Optional[CompileCache] = None,
     progress: Optional[ProgressFn] = None,
-    banded: bool = False,
+    banded: bool = True,
 ) -> list[PrewarmRecord]:
     """:func:`prewarm_plans` flattened: one :class:`PrewarmRecord` per specialization.
 

@@ -470,7 +470,7 @@ def plan_routes(
     env: PlanEnv,
     check: GeometryCheck,
     *,
-    banded: bool = False,
+    banded: bool = True,
 ) -> RoutePlan:
     """Plan the route block M of every call with up to ``capacity`` tokens.
 
@@ -481,7 +481,9 @@ def plan_routes(
     the decode plan again). Then ``check`` is asked about M=8 (the decode plan; a rejection is
     the plan's :attr:`~RoutePlan.error`), and with ``banded`` about each size between M=8 and
     the prefill M, ascending (see :attr:`RoutePlan.banded` for how the bands then bind).
-    ``check`` is called at most once per size.
+    ``check`` is called at most once per size. ``banded`` is the default plan (a call binds
+    about the M its own m needs, not the capacity's); ``banded=False`` is the seed's plan pair.
+    A pinned prefill M (``env.pinned_block_m``) binds every call above the threshold: no bands.
 
     Raises:
         ValueError / TypeError: as :func:`choose_prefill_block`; any exception ``check``
@@ -515,6 +517,9 @@ def plan_routes(
             prefill_m = None
     asking("decode")(DECODE_BLOCK_M)
 
+    if banded and env.pinned_block_m is not None:
+        banded = False  # the pin's meaning: every call above the threshold binds that M
+        notes.append(f"not banded: {ENV_PREFILL_BLOCK_M} pins every call above the threshold")
     between: list[int] = []
     if banded and prefill_m is not None:
         ask = asking("band")

@@ -34,8 +34,10 @@ from kquant_cute.prewarm import (
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
+# --pair: the seed's plan pair (decode + prefill M, two specializations per arch) keeps the
+# compiles of these tests few; the default (banded) plan has its own test below.
 SMALL = ["--experts", "8", "--hidden", "256", "--intermediate", "256", "--topk", "2",
-         "--capacity", "512"]
+         "--capacity", "512", "--pair"]
 SMALL_SPEC = DEFAULT_GEOMETRY.replace(num_experts=8, hidden=256, intermediate=256, topk=2)
 CLEAN_ENV = ("KQUANT_COMPILE_CACHE_DIR", "KQUANT_COMPILE_FREEZE", ENV_PREFILL_BLOCK_M,
              ENV_PREFILL_MIN_M, *KEYED_ENV_VARS)
@@ -140,7 +142,7 @@ def test_prewarm_api_and_progress(warm: dict[str, Any]) -> None:
     cache = CompileCache(warm["dir"], frozen=True)  # frozen: proves nothing is compiled
     events: list[PrewarmEvent] = []
     records = prewarm(SMALL_SPEC, archs=("sm_90", 120, "sm_120a"), capacity=512,
-                      env=PlanEnv(), cache=cache, progress=events.append)
+                      env=PlanEnv(), cache=cache, progress=events.append, banded=False)
     assert [(r.arch, r.block_m, r.role, r.status) for r in records] == [
         ("sm_90a", 8, "decode", "cached"), ("sm_90a", 64, "prefill", "cached"),
         ("sm_120a", 8, "decode", "cached"), ("sm_120a", 64, "prefill", "cached")]
@@ -149,10 +151,12 @@ def test_prewarm_api_and_progress(warm: dict[str, Any]) -> None:
     assert all(e.bound == 10 for e in events) and events[-1].index == 4
     assert cache.cache_info().compiles == 0
     # A second prewarm on the same cache object is served from memory.
-    again = prewarm(SMALL_SPEC, archs=["120"], capacity=512, env=PlanEnv(), cache=cache)
+    again = prewarm(SMALL_SPEC, archs=["120"], capacity=512, env=PlanEnv(), cache=cache,
+                    banded=False)
     assert {r.cache for r in again} == {"memory"}
     # The report is the planner's plan with the cache's answers: no second walk, no wrapper.
-    (arch,) = prewarm_plans(SMALL_SPEC, archs=["120"], capacity=512, env=PlanEnv(), cache=cache)
+    (arch,) = prewarm_plans(SMALL_SPEC, archs=["120"], capacity=512, env=PlanEnv(), cache=cache,
+                            banded=False)
     assert [(b.lo, b.hi, b.block_m) for b in arch.plan.route.bands] == [(1, 256, 8), (257, 512, 64)]
     assert [c.block_m for c in arch.plan.route.candidates] == [64, 8]
     assert [(r.block_m, r.seconds, r.key) for r in arch.records] == [
@@ -216,14 +220,14 @@ def test_pinned_and_disabled_prefill(warm: dict[str, Any], tmp_path: Path,
     assert [(r["block_m"], r["role"]) for r in json.loads(out)] == [(8, "decode")]
 
 
-def test_banded_prewarms_what_a_banded_layer_binds(warm: dict[str, Any], tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """--banded: the banded plan's sizes between the decode and the prefill M are compiled
-    too (role "band"), and --describe shows the token band each one serves."""
+def test_default_prewarms_what_a_default_layer_binds(warm: dict[str, Any], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --pair: the default (banded) plan's sizes between the decode and the prefill
+    M are compiled too (role "band"), and --describe shows the token band each one serves."""
     scratch = copy_cache(warm["dir"], tmp_path / "c")
     monkeypatch.setenv(ENV_PREFILL_MIN_M, "16")
-    rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(scratch), "--json",
-                             "--describe", "--banded", "-q"])
+    rc, out, err = run_main(["--sm", "120", *[f for f in SMALL if f != "--pair"],
+                             "--cache-dir", str(scratch), "--json", "--describe", "-q"])
     assert rc == 0, err
     got = [(r["block_m"], r["role"], r["status"]) for r in json.loads(out)]
     assert got == [(8, "decode", "cached"), (64, "prefill", "cached"), (16, "band", "compiled"),

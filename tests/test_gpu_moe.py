@@ -340,8 +340,8 @@ def test_banded_plan_is_bitwise_equal_to_the_pair():
 
     wts = MoEWeights.random(64, H_SMALL, I_SMALL, 4, "mcg", shared_hidden_vectors=True, seed=8,
                             device="cuda")
-    pair = MoELayer(wts, topk=8, capacity=1024, environ={})
-    banded = MoELayer(wts, topk=8, capacity=1024, environ={}, banded=True)
+    pair = MoELayer(wts, topk=8, capacity=1024, environ={}, banded=False)
+    banded = MoELayer(wts, topk=8, capacity=1024, environ={})  # the default
     picked = {}
     for m in (300, 700, 1024):
         x, ids, w = _inputs(m, H_SMALL, 8, 64, torch.bfloat16, seed=m)

@@ -113,12 +113,12 @@ def test_static_rejections_name_the_reason():
 
 @needs_cuobjdump
 def test_banded_plan_binds_the_policy_choice_per_call(cache):
-    """Opt-in banded plan: above the threshold a call binds the policy's M at its own m
-    (the pair alone would bind the capacity's M=64 for every m > 256)."""
+    """The default (banded) plan: above the threshold a call binds the policy's M at its own
+    m (the seed's pair, banded=False, binds the capacity's M=64 for every m > 256)."""
     base = DEFAULT_GEOMETRY.replace(hidden=256, intermediate=256, arch="sm_90a")
     env = resolve_env({})
-    pair = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache)
-    banded = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache, banded=True)
+    pair = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache, banded=False)
+    banded = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache)
     assert banded.route.block_sizes == (8, 16, 32, 48, 64) and list(banded.entries) == [8, 16, 32, 48, 64]
     picks = {m: banded.plan_for(m).spec.block_m for m in (1, 256, 257, 512, 1536, 2048, 4096)}
     assert picks == {1: 8, 256: 8, 257: 8, 512: 16, 1536: 32, 2048: 48, 4096: 64}

@@ -220,7 +220,7 @@ def test_token_band_sizing():
 
 def test_plan_with_fallback():
     check = RecordingCheck({64: SMEM_64, 48: REGS_48})
-    plan = plan_routes(8192, 16, 896, PlanEnv(), check)
+    plan = plan_routes(8192, 16, 896, PlanEnv(), check, banded=False)  # the seed's pair
     assert check.calls == [64, 48, 32, 8]  # the walk, then the decode M=8
     assert [(b.lo, b.hi, b.block_m, b.role) for b in plan.bands] == [
         (1, 256, 8, "decode"), (257, 8192, 32, "prefill")]
@@ -242,7 +242,7 @@ def test_plan_with_fallback():
 
 @pytest.mark.parametrize("min_m", [8, 9, 16, 256, 1000])
 def test_prefill_binds_only_above_threshold(min_m):
-    plan = plan_routes(8192, 16, 896, PlanEnv(prefill_min_m=min_m), accept_all)
+    plan = plan_routes(8192, 16, 896, PlanEnv(prefill_min_m=min_m), accept_all, banded=False)
     assert plan.prefill_m == 64
     for m in range(1, 2000):
         assert plan.band_for(m).block_m == (64 if m > min_m else 8)
@@ -276,7 +276,8 @@ def test_banded_plan_bands_by_the_policy_at_each_m():
     """Banded: above the threshold a call binds the policy's M at its own m; a rejected size
     falls to the next narrower accepted one; the bands are maximal runs of one M."""
     check = RecordingCheck({48: REGS_48})
-    plan = plan_routes(8192, 16, 896, PlanEnv(), check, banded=True)
+    plan = plan_routes(8192, 16, 896, PlanEnv(), check)  # banded: the default
+    assert plan.banded
     assert check.calls == [64, 8, 16, 32, 48]  # the walk, the decode, then the bands
     assert plan.block_sizes == (8, 16, 32, 64)
     assert [(b.lo, b.hi, b.block_m, b.role) for b in plan.bands] == [
@@ -289,9 +290,16 @@ def test_banded_plan_bands_by_the_policy_at_each_m():
     assert "m in [807, 2,419]: band M=32" in text and "banded:" in text
     assert f"M=48: rejected: {REGS_48}" in text
     # Nothing accepted between M=8 and the prefill M: the pair's binding, said so.
-    plan = plan_routes(8192, 16, 896, PlanEnv(pinned_block_m=16), accept_all, banded=True)
-    assert [(b.lo, b.block_m) for b in plan.bands] == [(1, 8), (257, 16)]
-    assert "no accepted size between M=8 and M=16" in plan.describe()
+    check = RecordingCheck({16: "no", 32: "no", 48: "no"})
+    plan = plan_routes(8192, 16, 896, PlanEnv(), check)
+    assert [(b.lo, b.block_m) for b in plan.bands] == [(1, 8), (257, 64)]
+    assert "no accepted size between M=8 and M=64" in plan.describe()
+    # A pinned prefill M binds every call above the threshold: no bands, said so.
+    check = RecordingCheck({})
+    plan = plan_routes(8192, 16, 896, PlanEnv(pinned_block_m=32), check)
+    assert not plan.banded and check.calls == [32, 8]
+    assert [(b.lo, b.block_m) for b in plan.bands] == [(1, 8), (257, 32)]
+    assert "not banded" in plan.describe() and ENV_PREFILL_BLOCK_M in plan.describe()
 
 
 def test_route_plan_validation():
@@ -318,7 +326,8 @@ def test_route_plan_validation():
 
 
 def test_describe_text():
-    plan = plan_routes(8192, 16, 896, PlanEnv(), RecordingCheck({64: SMEM_64, 48: REGS_48}))
+    plan = plan_routes(8192, 16, 896, PlanEnv(), RecordingCheck({64: SMEM_64, 48: REGS_48}),
+                       banded=False)
     text = plan.describe(scratch_bytes={"arena": 1_000, "output": 123_456})
     assert "m in [1, 256]: decode M=8 (10,368 route slots, 1,296 blocks)" in text
     assert "m in [257, 8,192]: prefill M=32 (158,848 route slots, 4,964 blocks)" in text
@@ -363,7 +372,7 @@ def _old_plan(capacity, topk, experts, env, rejected, banded):
         prefill = None if prefill == 8 else prefill
     ok(8)
     bands = {}
-    if banded and prefill is not None:
+    if banded and prefill is not None and env.pinned_block_m is None:  # a pin binds alone
         bands = {s: s for s in ROUTE_BLOCK_SIZES if 8 < s < prefill and ok(s)}
         if bands:
             bands[prefill] = prefill
@@ -437,7 +446,7 @@ def test_layer_scratch_is_sized_by_the_plan(tmp_path) -> None:
     cap = 8192
     n = cap * base.topk
     plan = plan_forward(base, capacity=cap, arch="sm_120", env=resolve_env({}),
-                        cache=CompileCache(tmp_path))
+                        cache=CompileCache(tmp_path), banded=False)
     assert sorted(s.block_m for s in plan.specs()) == [8, 64] == list(plan.entries)
     assert plan.route.route_slots == max(padded_route_slots(n, base.num_experts, m) for m in (8, 64))
     assert plan.route.max_blocks(100) == max_route_blocks(100 * 16, 896, 8)
