@@ -7,16 +7,21 @@ of 384, 8 attention heads), `--layers` MoE layers, random init. Its experts take
 trellis codes (shared hidden-side vectors, as Kimi-K3 stores them); the bf16 side runs
 their exact dense dequantization, so both sides compute the same function.
 
-Measured (CUDA events, median over repeats after warm-up; eager PyTorch, no graphs):
+Measured (CUDA events, median over repeats after warm-up; eager PyTorch unless stated):
 * prefill of `--prefill` tokens at batch 1 (one forward, no cache): ms and tokens/s;
 * decode at batch 1 and 16: one token per sequence per step on a `--context`-token
   DynamicCache: ms per step and tokens/s;
+* decode at batch 1 and 16 with the whole step replayed from one CUDA graph on a
+  StaticCache of `--context` + `--decode-steps` tokens (`kqt.GraphDecoder`; the first step
+  captures, the rest are timed): ms per step and tokens/s;
 * the experts module alone (what the integration replaces) at 1, 16 and the prefill
   token count;
 * the fused model's logits vs the bf16 model's over the prefill prompt (relative error);
 * `quantize_experts`-style Viterbi on `--quant-experts` experts: experts/s.
 
-    python3 benchmarks/bench_hf.py [--layers 2] [--json FILE]
+    python3 benchmarks/bench_hf.py [--layers 2] [--json FILE] [--graph-only]
+
+(`--graph-only`: only the CUDA-graph decode rows and the logits comparison; no quantizer.)
 """
 
 from __future__ import annotations
@@ -111,14 +116,49 @@ def build_model(args):
     return model
 
 
+def time_graph_decode(model, args):
+    """Whole-model decode steps replayed from one CUDA graph (eager static-cache steps
+    with --device cpu, a smoke run)."""
+    from kquant_cute.integrations import transformers as kqt
+
+    gen = torch.Generator(device=DEVICE).manual_seed(13)
+    out = {}
+    for batch in args.decode_batch:
+        ctx = torch.randint(0, args.vocab, (batch, args.context), generator=gen, device=DEVICE)
+        dec = kqt.GraphDecoder(model, batch, args.context + args.decode_steps + 1,
+                               graph=DEVICE == "cuda")
+        try:
+            with torch.no_grad():
+                nxt = dec.prefill(ctx).argmax(-1)
+                nxt = dec.step(nxt).argmax(-1)  # the first step captures
+                steps = []
+                for _ in range(args.decode_steps - 1):
+                    def step():
+                        nonlocal nxt
+                        nxt = dec.step(nxt).argmax(-1)
+                    steps.append(_ms(step, 1, warmup=0))
+        except Exception as exc:  # report the failure, keep the other rows
+            out[f"graph_b{batch}"] = {"batch": batch, "error": f"{type(exc).__name__}: {exc}"}
+            print(f"graph decode b{batch} failed: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        finally:
+            del dec
+        ms = statistics.median(steps)
+        out[f"graph_b{batch}"] = {"batch": batch, "ms": ms, "tok_s": batch / ms * 1e3}
+    return out
+
+
 def time_model(model, args, kv):
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     out = {}
     prompt = torch.randint(0, args.vocab, (1, args.prefill), generator=gen, device=DEVICE)
     with torch.no_grad():
+        logits = model(prompt[:, :512], use_cache=False).logits.float()
+    if args.graph_only:
+        return time_graph_decode(model, args), logits
+    with torch.no_grad():
         ms = _ms(lambda: model(prompt, use_cache=False), args.iters)
         out["prefill"] = {"tokens": args.prefill, "ms": ms, "tok_s": args.prefill / ms * 1e3}
-        logits = model(prompt[:, :512], use_cache=False).logits.float()
         for batch in args.decode_batch:
             ctx = torch.randint(0, args.vocab, (batch, args.context), generator=gen, device=DEVICE)
             # Two identical passes, the first thrown away: every cache length is a new set
@@ -139,6 +179,7 @@ def time_model(model, args, kv):
                     steps.append(_ms(step, 1, warmup=0))
             ms = statistics.median(steps)
             out[f"decode_b{batch}"] = {"batch": batch, "ms": ms, "tok_s": batch / ms * 1e3}
+    out.update(time_graph_decode(model, args))
     return out, logits
 
 
@@ -196,8 +237,12 @@ def main(argv=None):
     p.add_argument("--bf16-impl", default="grouped_mm",
                    help="transformers experts implementation of the bf16 side")
     p.add_argument("--json", default=None)
+    p.add_argument("--graph-only", action="store_true",
+                   help="only the CUDA-graph decode rows (and the logits comparison)")
     p.add_argument("--device", default="cuda", help="cpu: smoke-run the script (reference backend)")
     args = p.parse_args(argv)
+    if args.graph_only:
+        args.quant_experts = 0
     global DEVICE
     DEVICE = args.device
 
@@ -224,7 +269,7 @@ def main(argv=None):
 
     bf16_experts = blocks[0].experts
     res_bf16, logits_bf16 = time_model(model, args, kv)
-    exp_bf16 = time_experts(bf16_experts, args)
+    exp_bf16 = {} if args.graph_only else time_experts(bf16_experts, args)
     print("bf16 done", json.dumps(res_bf16), flush=True)
 
     views = kqt.dense_projections(bf16_experts)
@@ -237,7 +282,8 @@ def main(argv=None):
                         **({"banded": True} if DEVICE == "cuda" else {}))
     build_s = time.perf_counter() - t0
     res_fused, logits_fused = time_model(model, args, kv)
-    exp_fused = time_experts(kqt.find_moe_blocks(model)[0].experts, args)
+    print("fused done", json.dumps(res_fused), flush=True)
+    exp_fused = {} if args.graph_only else time_experts(kqt.find_moe_blocks(model)[0].experts, args)
     rel = float((logits_fused - logits_bf16).norm() / logits_bf16.norm())
     top1 = float((logits_fused.argmax(-1) == logits_bf16.argmax(-1)).float().mean())
 
@@ -249,8 +295,12 @@ def main(argv=None):
     for key in res_bf16:
         a, b = res_bf16[key], res_fused[key]
         label = (f"prefill {a['tokens']:,} tokens, b1" if key == "prefill"
+                 else f"decode b{a['batch']}, CUDA graph (ms/step)" if key.startswith("graph")
                  else f"decode b{a['batch']} (ms/step)")
         rows.append({"measure": key, "bf16": a, "fused": b})
+        if "error" in a or "error" in b:
+            print(f"| {label} | {a.get('error', '')} | {b.get('error', '')} | |")
+            continue
         print(f"| {label} | {a['ms']:.2f} ms ({a['tok_s']:,.0f} tok/s) | {b['ms']:.2f} ms "
               f"({b['tok_s']:,.0f} tok/s) | {a['ms'] / b['ms']:.2f}x |")
     for m in exp_bf16:

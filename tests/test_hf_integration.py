@@ -312,3 +312,139 @@ def test_load_reports_missing_tensor(tmp_path):
     with pytest.raises(ValueError, match="one codebook and K per file"):
         kqt.save_quantized({"a": q["m.experts"], "b": MoEWeights.random(2, 128, 128, 3, "mcg")},
                            str(tmp_path / "c.safetensors"))
+
+
+# --------------------------------------------------------------------------------------
+# Routing record / replay
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_replayed_routing_reproduces_the_recorded_model(kind):
+    """A model whose routers are redrawn, fed the routing recorded from the original,
+    computes exactly the original's logits and greedy tokens (its own routing gives other
+    logits): the replay replaces the router's decisions and nothing else."""
+    model = _model(kind)
+    kqt.replace_experts(model, _random_experts(model), backend="reference")
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for b in kqt.find_moe_blocks(other):
+            b.block.gate.weight.normal_(0, 1.0)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(4))
+    log = kqt.RoutingLog()
+    with torch.no_grad():
+        with log.record(model):
+            want = model(ids).logits
+        assert len(log) == len(kqt.find_moe_blocks(model))
+        assert _rel(other(ids).logits, want) > 1e-2
+        with log.replay(other):
+            got = other(ids).logits
+        assert torch.equal(got, want)
+        with log.replay(other):  # the log is not consumed
+            assert torch.equal(other(ids).logits, want)
+    glog = kqt.RoutingLog()
+    with glog.record(model):
+        gen = model.generate(ids[:1], max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    with glog.replay(other):
+        assert torch.equal(other.generate(ids[:1], max_new_tokens=5, min_new_tokens=5,
+                                          do_sample=False), gen)
+
+
+def test_routing_replay_rejects_other_calls():
+    model = _model("qwen3_moe")
+    kqt.replace_experts(model, _random_experts(model), backend="reference")
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(5))
+    log = kqt.RoutingLog()
+    with torch.no_grad():
+        with log.record(model):
+            model(ids)
+        with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: call 1 has 5 tokens, "
+                                             r"the recorded one 6"):
+            with log.replay(model):
+                model(ids[:, :5])
+        with pytest.raises(ValueError, match=r"call 2 past the 1 recorded"):
+            with log.replay(model):
+                model(ids)
+                model(ids)
+        with pytest.raises(ValueError, match=r"recorded calls not replayed: model.layers.0.mlp.experts 0 of 1"):
+            with log.replay(model):
+                pass
+        with pytest.raises(ValueError, match="the log has routing for model.layers.0"):
+            with log.replay(_model("deepseek_v3")):
+                pass
+    # the hooks are gone after every exit
+    assert not any(b.experts._forward_pre_hooks for b in kqt.find_moe_blocks(model))
+
+
+# --------------------------------------------------------------------------------------
+# Static-cache decode steps (GraphDecoder; the CUDA-graph replay itself is a GPU test)
+# --------------------------------------------------------------------------------------
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records torch calls that read tensor data on the host (a sync on CUDA, an error
+    inside a CUDA-graph capture); paused inside the experts modules, whose CPU reference
+    gathers routes on the host (the fused forward on CUDA reads nothing: GPU tests)."""
+
+    NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy",
+             "nonzero", "unique", "unique_consecutive", "masked_select", "argwhere",
+             "bincount", "repeat_interleave", "cpu", "__format__", "__repr__"}
+
+    def __init__(self, model):
+        super().__init__()
+        self.hits, self.paused = [], 0
+        self.handles = []
+        for e in kqt.iter_experts(model):
+            self.handles.append(e.register_forward_pre_hook(lambda *a: self._pause(1)))
+            self.handles.append(e.register_forward_hook(lambda *a: self._pause(-1)))
+
+    def _pause(self, d):
+        self.paused += d
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        index = args[1] if name in ("__getitem__", "__setitem__") and len(args) > 1 else ()
+        bool_index = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                         for i in (index if isinstance(index, tuple) else (index,)))
+        if not self.paused and (name in self.NAMES or bool_index):
+            self.hits.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_static_cache_decode_step_reads_nothing_on_host(kind):
+    """What makes a whole-model step capturable: outside the experts, a one-token step on
+    the StaticCache reads no tensor data on the host.
+    Eager static-cache steps, after a rewound warm-up, give generate's greedy tokens."""
+    model = _model(kind)
+    kqt.replace_experts(model, _random_experts(model), backend="reference")
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(6))
+    dec = kqt.GraphDecoder(model, 2, 16, graph=False)
+    with torch.no_grad():
+        logits = dec.prefill(ids)
+        with _HostReads(model) as guard:
+            bool(logits.sum() > 0)
+            int(ids[0, 0])
+        assert guard.hits == ["__bool__", "__int__"]  # the guard sees host reads
+        with _HostReads(model) as guard:
+            step = dec.step(logits.argmax(-1))
+        assert guard.hits == [], guard.hits
+        assert step.shape == (2, COMMON["vocab_size"])
+        toks = [dec.prefill(ids).argmax(-1)]
+        dec._warm_up()  # what the capture runs first: its cache writes must be rewound
+        for _ in range(5):
+            toks.append(dec.step(toks[-1]).argmax(-1))
+    want = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(torch.stack(toks, 1), want[:, 8:])
+    with pytest.raises(RuntimeError, match="the 16-token cache is full"):
+        for _ in range(8):
+            dec.step(toks[-1])
+    with pytest.raises(ValueError, match="graph=True needs the model on a CUDA device"):
+        kqt.GraphDecoder(model, 2, 16)
+    with pytest.raises(ValueError, match=r"input_ids must be \[2, tokens\]"):
+        dec.prefill(ids[:1])

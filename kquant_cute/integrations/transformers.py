@@ -14,7 +14,13 @@ This module owns the bridge between transformers' sparse MoE blocks and kquant_c
   ``experts`` module: the fused :class:`kquant_cute.layer.MoELayer` on CUDA, the torch
   reference (:func:`kquant_cute.reference.reference_moe`) on the CPU;
 * :func:`dequantize_into` -- the dense dequantized weights written back into an original
-  experts module (the comparison model the checks run against).
+  experts module (the comparison model the checks run against);
+* :class:`RoutingLog` -- the router decisions each experts module received, recorded from
+  one model and replayed into another, so two models can be compared with the same
+  routing (top-k routing is discontinuous: a token at a near-tie reroutes under any
+  numerical change and moves its output wholesale, docs/integration.md);
+* :class:`GraphDecoder` -- whole-model decode steps on transformers' ``StaticCache``
+  replayed from one captured CUDA graph.
 
 The model's router, shared experts, residuals and everything else stay as they are: in
 transformers 5.x every supported block calls ``self.experts(hidden [T, H], top_k_index
@@ -25,11 +31,12 @@ computation. The fused forward takes int32 ids and fp32 router weights (converte
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -50,6 +57,8 @@ __all__ = [
     "load_quantized",
     "TrellisExperts",
     "replace_experts",
+    "RoutingLog",
+    "GraphDecoder",
 ]
 
 #: Sparse MoE block classes whose routed experts can be replaced. Each calls
@@ -549,3 +558,217 @@ def cache_kwarg(model: nn.Module) -> str:
 def iter_experts(model: nn.Module) -> Iterable[TrellisExperts]:
     """The model's :class:`TrellisExperts` modules."""
     return (m for m in model.modules() if isinstance(m, TrellisExperts))
+
+
+# --------------------------------------------------------------------------------------
+# Routing record / replay
+# --------------------------------------------------------------------------------------
+
+
+class RoutingLog:
+    """The ``(top_k_index, top_k_weights)`` every supported block's experts module received,
+    per block in call order (forward pre-hooks on the experts modules of
+    :func:`find_moe_blocks`, original or :class:`TrellisExperts`).
+
+    ``with log.record(model_a): model_a(ids)`` stores them; ``with log.replay(model_b):
+    model_b(ids)`` feeds them, call by call, to ``model_b``'s experts in place of its own
+    router's (the router still runs; its decisions are dropped). Both models must have the
+    same block paths and make the same calls: a call whose token count differs from the
+    recorded one, a call past the recorded ones, or recorded calls left unreplayed raise
+    ``ValueError``. Not for CUDA-graph capture (the hooks copy and compare shapes on the host).
+    """
+
+    def __init__(self):
+        self.calls: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.calls.values())
+
+    @contextlib.contextmanager
+    def record(self, model: nn.Module) -> Iterator["RoutingLog"]:
+        """Record (appending to anything recorded before)."""
+        handles = []
+        try:
+            for b in find_moe_blocks(model):
+                calls = self.calls.setdefault(b.experts_name, [])
+
+                def hook(mod, args, kwargs, calls=calls):
+                    ids, wts = _routing_args(args, kwargs)
+                    calls.append((ids.detach().clone(), wts.detach().clone()))
+                handles.append(b.experts.register_forward_pre_hook(hook, with_kwargs=True))
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    @contextlib.contextmanager
+    def replay(self, model: nn.Module) -> Iterator["RoutingLog"]:
+        """Replay every recorded call once, in order; the log itself is not consumed."""
+        blocks = find_moe_blocks(model)
+        names = [b.experts_name for b in blocks]
+        if sorted(names) != sorted(self.calls):
+            raise ValueError(f"the log has routing for {', '.join(sorted(self.calls)) or 'no block'}; "
+                             f"the model's blocks are {', '.join(sorted(names))}")
+        used = dict.fromkeys(names, 0)
+        handles = []
+        try:
+            for b in blocks:
+                name, calls = b.experts_name, self.calls[b.experts_name]
+
+                def hook(mod, args, kwargs, name=name, calls=calls):
+                    n = used[name]
+                    if n >= len(calls):
+                        raise ValueError(f"{name}: call {n + 1} past the {len(calls)} recorded")
+                    ids, wts = calls[n]
+                    hidden = args[0] if args else kwargs["hidden_states"]
+                    if hidden.shape[0] != ids.shape[0]:
+                        raise ValueError(f"{name}: call {n + 1} has {hidden.shape[0]} tokens, "
+                                         f"the recorded one {ids.shape[0]}")
+                    used[name] = n + 1
+                    _, own_w = _routing_args(args, kwargs)
+                    others = {k: v for k, v in kwargs.items() if k not in _CALL_KEYS}
+                    return (hidden, ids.to(hidden.device),
+                            wts.to(device=hidden.device, dtype=own_w.dtype)), others
+                handles.append(b.experts.register_forward_pre_hook(hook, with_kwargs=True))
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+        short = {n: (used[n], len(self.calls[n])) for n in names if used[n] != len(self.calls[n])}
+        if short:
+            raise ValueError("recorded calls not replayed: " + ", ".join(
+                f"{n} {u} of {t}" for n, (u, t) in short.items()))
+
+
+_CALL_KEYS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def _routing_args(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top_k_index, top_k_weights) of an experts call ``(hidden, index, weights)``, given
+    positionally (as every supported block calls it) or by keyword."""
+    rest = list(args[1:])
+    for key in ("top_k_index", "top_k_weights"):
+        if key in kwargs:
+            rest.append(kwargs[key])
+    if len(rest) != 2:
+        raise ValueError("experts call without (hidden_states, top_k_index, top_k_weights)")
+    return rest[0], rest[1]
+
+
+# --------------------------------------------------------------------------------------
+# Whole-model decode steps in one CUDA graph
+# --------------------------------------------------------------------------------------
+
+
+class GraphDecoder:
+    """One-token decode steps of a whole transformers causal LM on its ``StaticCache``,
+    replayed from one captured CUDA graph.
+
+    What makes a step capturable: transformers (>= 5) keeps a static cache's fill length on
+    the device (each layer's ``cumulative_length``, advanced in place by ``update``) and,
+    for a compileable cache and one query token, builds the positions, the rotary
+    embedding and the causal mask over the whole ``max_cache_len`` from it with device
+    ops, never a host read; the cache's key / value tensors are allocated once, by the
+    prefill. So one captured step reads its token from a static ``[batch, 1]`` buffer,
+    writes the new key / values at the device-held length and advances it: every replay
+    is the next step. :class:`TrellisExperts` launches the fused layer from buffers and
+    plans made at its construction; the capture runs with the process compile cache
+    frozen, so a specialization that is not already loaded raises instead of compiling.
+
+    ``prefill(ids [batch, P])`` (eager; resets the cache in place, so the graph stays
+    valid) returns the last position's logits ``[batch, vocab]``; ``step(ids [batch] or
+    [batch, 1])`` returns the next position's logits. The first ``step`` after a prefill
+    captures the graph (after ``warmup`` eager steps on a side stream whose cache writes
+    are rewound); later ones copy the tokens in and replay. With ``graph=False`` steps run
+    eagerly on the same cache (the comparison path, and the CPU path). The returned
+    logits of a replayed step are the graph's static output: read or copy them before
+    the next step.
+    """
+
+    def __init__(self, model: nn.Module, batch_size: int, max_cache_len: int, *,
+                 graph: bool = True, warmup: int = 2):
+        import transformers
+
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(max_cache_len, int) or max_cache_len < 2:
+            raise ValueError(f"max_cache_len must be an int >= 2, got {max_cache_len!r}")
+        self.device = next(model.parameters()).device
+        if graph and self.device.type != "cuda":
+            raise ValueError(f"graph=True needs the model on a CUDA device, got {self.device}; "
+                             "pass graph=False for eager steps on the static cache")
+        self.model, self.batch_size, self.max_cache_len = model, batch_size, max_cache_len
+        self.use_graph, self.warmup = bool(graph), int(warmup)
+        self.cache = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
+        sliding = [i for i, layer in enumerate(self.cache.layers)
+                   if getattr(layer, "is_sliding", False) or not hasattr(layer, "cumulative_length")]
+        if sliding:
+            raise ValueError(f"cache layers {sliding} are sliding-window / non-static layers, "
+                             "which track their length on the host: not capturable here")
+        self._kw = cache_kwarg(model)
+        self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.logits: Optional[torch.Tensor] = None
+        self.length = 0  # tokens in the cache (host-side bookkeeping; the device holds its own)
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(ids, use_cache=True, **{self._kw: self.cache})
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.dim() != 2 or input_ids.shape[0] != self.batch_size:
+            raise ValueError(f"input_ids must be [{self.batch_size}, tokens], got "
+                             f"{tuple(input_ids.shape)}")
+        if not 0 < input_ids.shape[1] < self.max_cache_len:
+            raise ValueError(f"a {input_ids.shape[1]}-token prompt leaves no room in a "
+                             f"{self.max_cache_len}-token cache")
+        self.cache.reset()
+        self.length = 0
+        logits = self._forward(input_ids.to(self.device))
+        self.length = input_ids.shape[1]
+        return logits
+
+    @torch.no_grad()
+    def step(self, next_ids: torch.Tensor) -> torch.Tensor:
+        if self.length == 0:
+            raise RuntimeError("prefill a prompt before the first step")
+        if self.length >= self.max_cache_len:
+            raise RuntimeError(f"the {self.max_cache_len}-token cache is full")
+        ids = next_ids.reshape(self.batch_size, 1)
+        if not self.use_graph:
+            logits = self._forward(ids.to(self.device))
+        else:
+            if self.graph is None:
+                self._capture()
+            self.ids.copy_(ids)
+            self.graph.replay()
+            logits = self.logits
+        self.length += 1
+        return logits
+
+    def _warm_up(self) -> None:
+        """``warmup`` eager steps (first launches, library handles, lazy state), each
+        rewound: the lengths go back in place and the next real step overwrites the
+        key / values they wrote."""
+        lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
+        for _ in range(self.warmup):
+            self._forward(self.ids)
+            for layer, n in zip(self.cache.layers, lengths):
+                layer.cumulative_length.copy_(n)
+
+    def _capture(self) -> None:
+        from ..compile_cache import default_cache
+
+        # The warm-up runs on a side stream (as capture does); MoELayer refuses a launch
+        # there while its arena's last forward, from the prefill, may still be running.
+        torch.cuda.current_stream(self.device).synchronize()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._warm_up()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with default_cache().frozen(), torch.cuda.graph(graph):
+            logits = self._forward(self.ids)
+        self.graph, self.logits = graph, logits
