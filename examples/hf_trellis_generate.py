@@ -50,7 +50,7 @@ def build(args, device: str, dtype: torch.dtype):
         for b in kqt.find_moe_blocks(model):
             b.experts.gate_up_proj.normal_(0, b.hidden ** -0.5)
             b.experts.down_proj.normal_(0, b.intermediate ** -0.5)
-            b.block.gate.weight.normal_(0, 0.2)  # decisive routing (see docs/integration.md)
+            b.block.gate.weight.normal_(0, 0.2)  # sharper routing than the default init
         model.lm_head.weight.normal_(0, 0.25)
     return model.eval()
 
