@@ -25,6 +25,7 @@ __all__ = [
     "ARG_NAMES",
     "ARENA_ALIGN",
     "DTYPE_BYTES",
+    "RATE_ARGS",
     "ROUTE_BLOCK_SIZES",
     "Arg",
     "ScratchBuffer",
@@ -48,8 +49,10 @@ class Arg:
     """One entry-point argument: a pointer (``dtype`` = its pointee) or an Int32 (``dtype`` None).
 
     ``kind``: ``"input"`` (per call: x, routing), ``"weight"`` (a tensor of the layer's
-    weights, same name), ``"table"`` (the codebook's state table: sqg_e4m3's uint8
-    [65536], `kquant_cute.trellis.sqg_state_table`; any valid address otherwise),
+    weights, same name), ``"table"`` (the codebook's state tables: sqg_e4m3's uint8
+    [65536] per K, `kquant_cute.trellis.sqg_state_table`, one after another in the spec's
+    `bits_set` order for mixed rates; any valid address otherwise), ``"rates"`` (a mixed
+    layer's rate maps, :data:`RATE_ARGS`; any valid address for a uniform K),
     ``"scratch"`` (a buffer of :func:`scratch_layout`), ``"output"`` or ``"int"``.
     """
 
@@ -68,6 +71,8 @@ ARGS: tuple[Arg, ...] = (
     Arg("down_suh", "float16", "weight"), Arg("down_svh", "float16", "weight"),
     Arg("pre_signs", "float16", "weight"), Arg("post_signs", "float16", "weight"),
     Arg("codebook_table", "uint8", "table"),
+    Arg("fc1_bits", "uint8", "rates"), Arg("fc1_words", "int32", "rates"),
+    Arg("fc2_bits", "uint8", "rates"), Arg("fc2_words", "int32", "rates"),
     Arg("sorted_routes", "int32", "scratch"), Arg("block_expert", "int32", "scratch"),
     Arg("num_padded", "int32", "scratch"), Arg("expert_offsets", "int32", "scratch"),
     Arg("expert_counts", "int32", "scratch"),
@@ -77,7 +82,16 @@ ARGS: tuple[Arg, ...] = (
     Arg("out", "out", "output"),
     Arg("m", None, "int"), Arg("max_blocks", None, "int"), Arg("rows_cap", None, "int"),
     Arg("routes_cap", None, "int"), Arg("sm_count", None, "int"),
+    Arg("fc1_row_words", None, "int"),
 )
+
+#: The rate maps of a mixed-rate layer (kind ``"rates"``), E experts, I/16 tiles of the
+#: intermediate axis: K per tile (``fc1_bits`` / ``fc2_bits`` uint8 [E, I/16]) and where each
+#: tile's trellis starts, in 32-bit words (int32 [E, I/16]): ``fc1_words[e, j]`` indexes tile
+#: (0, j) of expert e in gate_trellis / up_trellis (tile (i, j) is ``fc1_row_words`` x i
+#: further), ``fc2_words[e, i]`` row tile i of expert e in down_trellis (its 16-column tiles
+#: follow at 8 K words each). ``kquant_cute.mixed.MixedMoEWeights.rate_args`` builds them.
+RATE_ARGS: tuple[str, ...] = tuple(a.name for a in ARGS if a.kind == "rates")
 
 #: ``(name, dtype)`` of :data:`ARGS`, in order.
 ARG_NAMES: tuple[tuple[str, str | None], ...] = tuple((a.name, a.dtype) for a in ARGS)
@@ -144,12 +158,14 @@ def scratch_layout(spec, *, capacity: int, max_slots: int) -> ScratchLayout:
     return ScratchLayout(tuple(buffers), -(-off // ARENA_ALIGN) * ARENA_ALIGN)
 
 
-def int_args(spec, *, m: int, capacity: int, max_blocks: int, sm_count: int) -> dict[str, int]:
+def int_args(spec, *, m: int, capacity: int, max_blocks: int, sm_count: int,
+             fc1_row_words: int = 0) -> dict[str, int]:
     """The Int32 arguments of a call with `m` tokens to a layer of `spec`'s shape planned
     for `capacity`: `max_blocks` (the plan's block bound at m, which sizes the grid), the
-    row capacities whose last row is the nominal zero row of the GEMMs' A operands, and the
-    device's SM count (the persistent grid of the table codebooks' GEMMs)."""
+    row capacities whose last row is the nominal zero row of the GEMMs' A operands, the
+    device's SM count (the persistent grid of the table codebooks' GEMMs) and, mixed rates
+    only, the 32-bit words of one FC1 trellis tile row (:data:`RATE_ARGS`)."""
     routes_cap = capacity * spec.topk
     return {"m": m, "max_blocks": max_blocks,
             "rows_cap": capacity if spec.shared_hidden_vectors else routes_cap,
-            "routes_cap": routes_cap, "sm_count": sm_count}
+            "routes_cap": routes_cap, "sm_count": sm_count, "fc1_row_words": fc1_row_words}

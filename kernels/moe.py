@@ -24,6 +24,11 @@ Token count, routed experts and the grid (from the plan's block bound) are run-t
 `codebook_table` is the codebook's state table (sqg_e4m3: uint8 [65536] from
 `kquant_cute.trellis.sqg_state_table(bits)`; any valid address for the other codebooks)
 and `sm_count` the device's SMs (the table codebooks' GEMMs run a persistent grid).
+
+`MoESpec.bits_set` makes a mixed-rate specialization (QSRT `k3x22_k4x2`, docs/mixed_rates.md):
+K varies along the intermediate axis per 16-channel tile, read at run time from the rate
+maps (`fc1_bits` / `fc1_words` / `fc2_bits` / `fc2_words`, `fc1_row_words`; launch.RATE_ARGS);
+the table holds one state table per rate in `bits_set` order. Uniform specs never read them.
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ from .arch import arch_limits, mma_archs
 from .launch import ARG_NAMES, ROUTE_BLOCK_SIZES  # noqa: F401 - ARG_NAMES: the entry point's order
 from .rotate import CombineOutput, MidActivation, RotateInput
 from .route_pack import RoutePack
-from .trellis_gemm import (DEFAULT_STAGES, MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA,
-                           TABLE_CODEBOOKS, TrellisGemm, smem_bytes as gemm_smem_bytes)
+from .trellis_gemm import (DEFAULT_STAGES, K_STEPS_PER_STAGE, MAX_CTAS_PER_SM,
+                           SMEM_RESERVED_PER_CTA, TABLE_CODEBOOKS, TILE_N, TrellisGemm,
+                           check_rates, smem_bytes as gemm_smem_bytes)
 from .trellis_wgmma import TrellisWgmma, check_span, default_span, smem_bytes as wgmma_smem_bytes
 
 ACT_DTYPES = ("bfloat16", "float16")
@@ -105,6 +111,11 @@ class MoESpec:
     #: QSRT coupled transforms (H512 on the latent axis, signed H128 around the activation,
     #: FC1 slots interleaved per 32-channel atom); needs shared hidden-side vectors.
     coupled: bool = False
+    #: Mixed rates: the distinct K of the layer's tiles, ascending (>= 2 of them; `bits` is
+    #: the widest, which sizes the B ring and the index check). () = every tile at `bits`.
+    #: The one owner of a layer's rate set in a specialization (`MixedMoEWeights.rate_set`
+    #: is what the layer passes).
+    bits_set: tuple = ()
     #: (mma, span) as asked for, before resolution (not part of the key or of equality).
     requested: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -153,6 +164,9 @@ class MoESpec:
                 return reason
         if self.topk > MAX_TOPK:
             return f"topk {self.topk} > {MAX_TOPK}"
+        reason = check_rates(self.bits, self.bits_set, self.codebook, "n")
+        if reason is not None:
+            return reason
         if self.coupled:
             if not self.shared_hidden_vectors:
                 return "coupled transforms need shared hidden-side vectors"
@@ -180,6 +194,18 @@ class MoESpec:
         except ValueError:
             return None
 
+    @property
+    def mixed(self) -> bool:
+        """Mixed rates (`bits_set` given): the GEMMs read K per stage from the rate maps."""
+        return bool(self.bits_set)
+
+    @staticmethod
+    def rate_runs() -> dict:
+        """Channels of the intermediate axis that must share one K in a mixed layer, per
+        matrix family: an FC1 work item's N tile and an FC2 pipeline stage's rows (the
+        GEMMs pick K per stage). QSRT records (128 channels) satisfy both."""
+        return {"fc1": TILE_N, "fc2": 16 * K_STEPS_PER_STAGE}
+
     def sub_kernels(self) -> tuple["SubKernel", ...]:
         """The device kernels `MoEForward` launches, in launch order (the GEMMs once per
         projection shape: gate and up share `gemm1`). Resource measurement and the
@@ -193,6 +219,10 @@ class MoESpec:
         common = dict(block_m=self.block_m, bits=self.bits, codebook=self.codebook,
                       topk=self.topk, stages=self.stages,
                       min_ctas_per_sm=self.gemm_ctas_per_sm(), **extra)
+        rates1, rates2 = {}, {}
+        if self.mixed:  # FC1's intermediate axis is its N, FC2's its K
+            rates1 = dict(bits_set=self.bits_set, rate_axis="n")
+            rates2 = dict(bits_set=self.bits_set, rate_axis="k")
         return (
             SubKernel("pack", RoutePack, dict(num_experts=self.num_experts,
                                               block_m=self.block_m,
@@ -202,13 +232,13 @@ class MoESpec:
                                                      has_map=self.has_expert_map,
                                                      coupled=self.coupled)),
             SubKernel("gemm1", gemm, dict(k_dim=self.hidden, n_dim=self.intermediate,
-                                          a_rows_per_token=not per_route, **common)),
+                                          a_rows_per_token=not per_route, **common, **rates1)),
             SubKernel("mid", MidActivation, dict(intermediate=self.intermediate,
                                                  activation=self.activation,
                                                  has_map=self.has_expert_map,
                                                  coupled=self.coupled)),
             SubKernel("gemm2", gemm, dict(k_dim=self.intermediate, n_dim=self.hidden,
-                                          a_rows_per_token=False, **common)),
+                                          a_rows_per_token=False, **common, **rates2)),
             SubKernel("combine", CombineOutput, dict(hidden=self.hidden, topk=self.topk,
                                                      shared_svh=self.shared_hidden_vectors,
                                                      has_map=self.has_expert_map,
@@ -245,6 +275,7 @@ class MoESpec:
         return (f"kq_moe_m{self.block_m}_k{self.bits}_{self.codebook}_{self.act_dtype}_"
                 f"{self.out_dtype}_{self.activation}_{'shared' if self.shared_hidden_vectors else 'perexp'}"
                 f"{'_map' if self.has_expert_map else ''}{'_cpl' if self.coupled else ''}"
+                f"{'_r' + ''.join(map(str, self.bits_set)) if self.bits_set else ''}"
                 f"_e{self.num_experts}_h{self.hidden}_"
                 f"i{self.intermediate}_t{self.topk}_s{self.stages}"
                 f"{f'_o{self.occupancy}' if self.occupancy != 1 else ''}"
@@ -267,9 +298,11 @@ class MoESpec:
         codebook is SMs x this)."""
         smem_per_sm = self.arch_limits().smem_per_block_optin + SMEM_RESERVED_PER_CTA
         if self.mma == "wgmma":
-            need = wgmma_smem_bytes(self.block_m, self.bits, self.stages, self.span, self.codebook)
+            need = wgmma_smem_bytes(self.block_m, self.bits, self.stages, self.span, self.codebook,
+                                    self.bits_set)
         else:
-            need = gemm_smem_bytes(self.block_m, self.bits, self.stages, self.codebook)
+            need = gemm_smem_bytes(self.block_m, self.bits, self.stages, self.codebook,
+                                   self.bits_set)
         return max(1, min(MAX_CTAS_PER_SM, smem_per_sm // (need + SMEM_RESERVED_PER_CTA)))
 
 
@@ -323,10 +356,11 @@ class MoEForward:
     @cute.jit
     def __call__(self, x, topk_ids, topk_weights, expert_map, gate_trellis, up_trellis,
                  down_trellis, gate_suh, up_suh, gate_svh, up_svh, down_suh, down_svh,
-                 pre_signs, post_signs, codebook_table, sorted_routes, block_expert, num_padded,
+                 pre_signs, post_signs, codebook_table, fc1_bits, fc1_words, fc2_bits, fc2_words,
+                 sorted_routes, block_expert, num_padded,
                  expert_offsets, expert_counts, xg, xu, g, u, a2, y, out,
                  m: Int32, max_blocks: Int32, rows_cap: Int32, routes_cap: Int32,
-                 sm_count: Int32, stream):
+                 sm_count: Int32, fc1_row_words: Int32, stream):
         n_routes = m * self.spec.topk
         rows = n_routes
         a_zero_row = routes_cap
@@ -340,14 +374,17 @@ class MoEForward:
         groups = (block_expert, num_padded)
         if cutlass.const_expr(self.spec.mma == "wgmma"):
             groups = (block_expert, num_padded, expert_offsets, expert_counts)
+        # The rate maps (mixed rates; uniform GEMMs never read them): FC1's per N tile.
+        rates1 = (fc1_bits, fc1_words, fc1_row_words)
         self.gemm1(xg, gate_trellis, sorted_routes, *groups, g, n_routes, a_zero_row,
-                   max_blocks, codebook_table, sm_count, stream)
+                   max_blocks, codebook_table, sm_count, *rates1, stream)
         # Coupled: both FC1 slots read the one rotated input (xu is not written).
         x_up = xg if self.spec.coupled else xu
         self.gemm1(x_up, up_trellis, sorted_routes, *groups, u, n_routes, a_zero_row,
-                   max_blocks, codebook_table, sm_count, stream)
+                   max_blocks, codebook_table, sm_count, *rates1, stream)
         self.mid(g, u, gate_svh, up_svh, down_suh, pre_signs, post_signs, topk_ids, expert_map,
                  a2, n_routes, stream)
         self.gemm2(a2, down_trellis, sorted_routes, *groups, y, n_routes, routes_cap,
-                   max_blocks, codebook_table, sm_count, stream)
+                   max_blocks, codebook_table, sm_count, fc2_bits, fc2_words, fc1_row_words,
+                   stream)
         self.combine(y, down_svh, topk_ids, expert_map, topk_weights, out, m, stream)

@@ -26,6 +26,18 @@ Layouts (row-major, raw pointers; sizes that are run-time are Int32 arguments):
   then loops over work items (grid = SMs x resident CTAs, `ctas_per_sm`), so the 64 KiB
   copy is paid per resident CTA, not per work item. A pair of weights costs two byte
   loads from that table, one byte permute and one `cvt.rn.f16x2.e4m3x2`.
+
+Mixed rates (`bits_set`, QSRT `k3x22_k4x2`; docs/mixed_rates.md): K changes along the
+intermediate axis, which is this GEMM's `rate_axis` ("n" for FC1, "k" for FC2). Run-time
+rate maps give K and the trellis word index of each 16-wide tile of that axis per expert
+(`rate_bits` uint8 [E, tiles], `rate_words` int32 [E, tiles]; FC1: index of tile (0, j),
+consecutive k tiles `k_tile_words` apart; FC2: index of row tile i, its 16-column tiles
+8 K words apart). K is one value per pipeline stage: an FC1 work item's N tile (128
+columns) and an FC2 stage's 4 k tiles (64 rows) each lie in one K (QSRT records are 128
+channels; the layer checks it). Per stage a CTA-uniform branch picks the K-specialized
+copy and decode; the B ring is sized for the widest K (`bits` = max(bits_set)) and every
+rate's 64 KiB state table is resident, in `bits_set` order. A uniform layer (`bits_set`
+empty) compiles none of this.
 """
 
 from __future__ import annotations
@@ -49,6 +61,8 @@ MMA_CODEBOOKS = ("mcg", "3inst", "mul1", "sqg_e4m3")
 #: Codebooks decoded through a state -> byte table in shared memory (persistent CTAs).
 TABLE_CODEBOOKS = ("sqg_e4m3",)
 TABLE_BYTES = 1 << 16  # one E4M3FN byte per 16-bit state
+#: Mixed rates: the intermediate axis is the GEMM's N (FC1) or K (FC2) axis.
+RATE_AXES = ("n", "k")
 K_STEPS_PER_STAGE = 4  # 16-wide reduction steps per pipeline stage (64 elements)
 A_ROW_HALVES = 16 * K_STEPS_PER_STAGE + 8  # padded smem row: conflict-free ldmatrix
 DEFAULT_STAGES = 4
@@ -73,21 +87,55 @@ def b_stage_bytes(bits: int) -> int:
     return (TILE_N // 16) * K_STEPS_PER_STAGE * 32 * bits
 
 
-def table_bytes(codebook: str | None) -> int:
-    """Shared memory of the codebook's state table (0 for the arithmetic codebooks)."""
-    return TABLE_BYTES if codebook in TABLE_CODEBOOKS else 0
+def table_bytes(codebook: str | None, bits_set: tuple = ()) -> int:
+    """Shared memory of the codebook's state tables, one per rate of `bits_set` (one for a
+    uniform K; 0 for the arithmetic codebooks)."""
+    return TABLE_BYTES * max(1, len(bits_set)) if codebook in TABLE_CODEBOOKS else 0
 
 
-def smem_bytes(block_m: int, bits: int, stages: int, codebook: str | None = None) -> int:
-    """Dynamic shared memory of one CTA: the codebook's state table, the A region (ring /
-    epilogue staging) and the B ring."""
-    return table_bytes(codebook) + a_smem_halves(block_m, stages) * 2 + stages * b_stage_bytes(bits)
+def table_note(codebook: str | None, bits_set: tuple = ()) -> str:
+    """What the state tables add to a shared-memory rejection ("" without tables)."""
+    if not table_bytes(codebook):
+        return ""
+    if bits_set:
+        return (f" (incl. the {table_bytes(codebook, bits_set) // 1024} KiB of {codebook} state "
+                f"tables for K {', '.join(map(str, bits_set))})")
+    return f" (incl. the {TABLE_BYTES // 1024} KiB {codebook} state table)"
 
 
-def stage_table(pTable, t_saddr, tidx, threads: int):
-    """cp.async the 64 KiB state table from global memory into shared memory at `t_saddr`
-    (one commit group; the main loop's first wait covers it, groups retire in order)."""
-    chunks = TABLE_BYTES // 16
+def smem_bytes(block_m: int, bits: int, stages: int, codebook: str | None = None,
+               bits_set: tuple = ()) -> int:
+    """Dynamic shared memory of one CTA: the codebook's state tables, the A region (ring /
+    epilogue staging) and the B ring (sized for `bits`, the widest K)."""
+    return (table_bytes(codebook, bits_set) + a_smem_halves(block_m, stages) * 2
+            + stages * b_stage_bytes(bits))
+
+
+def check_rates(bits: int, bits_set: tuple, codebook: str, rate_axis: str) -> str | None:
+    """None when `bits_set` (empty: uniform K = `bits`) is a rate set the GEMMs decode."""
+    if not bits_set:
+        return None
+    if (not isinstance(bits_set, tuple) or len(bits_set) < 2
+            or any(isinstance(k, bool) or not isinstance(k, int) for k in bits_set)
+            or list(bits_set) != sorted(set(bits_set))):
+        return f"bits_set {bits_set!r} must be a tuple of >= 2 distinct ints, ascending"
+    if codebook not in TABLE_CODEBOOKS:
+        return f"mixed rates (bits_set {bits_set}) need a table codebook {TABLE_CODEBOOKS}, not {codebook!r}"
+    lo, hi = fmt.BITS_RANGE[codebook]
+    if not lo <= bits_set[0] <= bits_set[-1] <= hi:
+        return f"bits_set {bits_set} outside {lo}..{hi} for codebook {codebook!r}"
+    if bits != bits_set[-1]:
+        return f"bits {bits} must be the widest K of bits_set {bits_set} (the B ring's size)"
+    if rate_axis not in RATE_AXES:
+        return f"rate_axis {rate_axis!r} not in {RATE_AXES}"
+    return None
+
+
+def stage_table(pTable, t_saddr, tidx, threads: int, nbytes: int = TABLE_BYTES):
+    """cp.async `nbytes` of state tables (64 KiB each) from global memory into shared memory
+    at `t_saddr` (one commit group; the main loop's first wait covers it, groups retire in
+    order)."""
+    chunks = nbytes // 16
     for i in range(chunks // threads):  # unrolled at trace time
         q = tidx + threads * i
         ptx.cp_async_16(t_saddr + q * 16, pTable.toint() + Int64(q * 16))
@@ -303,9 +351,11 @@ class TrellisGemm:
 
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                  topk: int, a_rows_per_token: bool, stages: int = DEFAULT_STAGES,
-                 min_ctas_per_sm: int = 1, ctas_per_sm: int = 1):
+                 min_ctas_per_sm: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
+                 rate_axis: str = "n"):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
-                                    codebook=codebook, stages=stages)
+                                    codebook=codebook, stages=stages, bits_set=bits_set,
+                                    rate_axis=rate_axis)
         if reason is not None:
             raise ValueError(reason)
         self.block_m = block_m
@@ -321,6 +371,11 @@ class TrellisGemm:
         # Table codebooks: resident CTAs per SM of the persistent grid (SMs x this).
         self.table = codebook in TABLE_CODEBOOKS
         self.ctas_per_sm = ctas_per_sm
+        # Mixed rates (module docstring): the K of each stage comes from the rate maps.
+        self.mixed = bool(bits_set)
+        self.bits_set = tuple(bits_set)
+        self.rates = self.bits_set or (bits,)
+        self.rate_axis = rate_axis
         # Derived once.
         self.m_tiles = (block_m + 15) // 16
         self.m_pad = 16 * self.m_tiles
@@ -333,8 +388,9 @@ class TrellisGemm:
         self.a_chunks = block_m * (K_STEPS_PER_STAGE * 16 * 2 // 16)  # 16-byte copies per stage
         self.b_chunks = K_STEPS_PER_STAGE * (TILE_N // 16) * self.tile_words * 4 // 16
         self.a_iters = (self.a_chunks + THREADS - 1) // THREADS
+        self.rate_tiles = (n_dim if rate_axis == "n" else k_dim) // fmt.TILE
         self.threads = THREADS
-        self.smem_bytes = smem_bytes(block_m, bits, stages, codebook)
+        self.smem_bytes = smem_bytes(block_m, bits, stages, codebook, self.bits_set)
 
     @staticmethod
     def occupancy_target(block_m: int, bits: int, stages: int, smem_per_sm: int,
@@ -349,7 +405,8 @@ class TrellisGemm:
     def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                       stages: int = DEFAULT_STAGES, smem_limit: int | None = None,
                       topk: int = 1, a_rows_per_token: bool = False,
-                      min_ctas_per_sm: int = 1, ctas_per_sm: int = 1) -> str | None:
+                      min_ctas_per_sm: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
+                      rate_axis: str = "n") -> str | None:
         """None when this geometry compiles to a valid kernel, else the reason (takes the
         constructor's arguments; `smem_limit`: the target's per-block shared memory)."""
         if block_m not in BLOCK_SIZES:
@@ -364,18 +421,21 @@ class TrellisGemm:
                 return f"{name} {dim} is not a positive multiple of {fmt.HADAMARD_BLOCK}"
         if not 2 <= stages <= MAX_STAGES:
             return f"stages {stages} outside 2..{MAX_STAGES}"
-        need = smem_bytes(block_m, bits, stages, codebook)
+        reason = check_rates(bits, bits_set, codebook, rate_axis)
+        if reason is not None:
+            return reason
+        need = smem_bytes(block_m, bits, stages, codebook, bits_set)
         if smem_limit is not None and need > smem_limit:
-            with_table = (f" (incl. the {table_bytes(codebook) // 1024} KiB {codebook} state table)"
-                          if table_bytes(codebook) else "")
-            return f"shared memory {need:,} B{with_table} > {smem_limit:,} B per-block limit"
+            return (f"shared memory {need:,} B{table_note(codebook, bits_set)} > "
+                    f"{smem_limit:,} B per-block limit")
         return None
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                  pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
                  n_routes: Int32, zero_row: Int32, max_blocks: Int32, pTable: cute.Pointer,
-                 sm_count: Int32, stream):
+                 sm_count: Int32, pRateBits: cute.Pointer, pRateWords: cute.Pointer,
+                 k_tile_words: Int32, stream):
         # One CTA per possible work item (the plan's block bound x N tiles); CTAs past the
         # packed block count exit at once, and the hardware scheduler balances the rest.
         # Table codebooks: one persistent CTA per resident slot instead (see module doc).
@@ -383,7 +443,7 @@ class TrellisGemm:
         if cutlass.const_expr(self.table):
             grid = persistent_grid(max_blocks, self.n_tiles, sm_count, self.ctas_per_sm)
         self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOut, n_routes, zero_row,
-                    pTable).launch(
+                    pTable, pRateBits, pRateWords, k_tile_words).launch(
             grid=[grid, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
             stream=stream, min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
 
@@ -478,7 +538,7 @@ class TrellisGemm:
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < self.k_stages:
                 self.issue_a(s, s, a_gaddr, a_saddr, rAsrc, rAbytes, tidx)
-                self.issue_b(s, s, b_gbase, b_saddr, tidx)
+                self.copy_b(s, s, b_gbase, b_saddr, tidx)
             cute.arch.cp_async_commit_group()
         for ks in range(self.k_stages):
             cute.arch.cp_async_wait_group(self.stages - 2)
@@ -486,19 +546,26 @@ class TrellisGemm:
             nxt = ks + self.stages - 1
             if nxt < self.k_stages:
                 self.issue_a(nxt, nxt % self.stages, a_gaddr, a_saddr, rAsrc, rAbytes, tidx)
-                self.issue_b(nxt, nxt % self.stages, b_gbase, b_saddr, tidx)
+                self.copy_b(nxt, nxt % self.stages, b_gbase, b_saddr, tidx)
             cute.arch.cp_async_commit_group()
-            self.mma_stage(n_mt, sB, ks % self.stages, a_saddr, acc, warp, widx, q0, tab, lm_row, lm_col)
+            if cutlass.const_expr(self.mixed):
+                K, _ = self.stage_rate(ks, b_gbase)
+                self.for_rate(0, K, self.mma_stage_at_rate,
+                              (n_mt, sB, ks % self.stages, a_saddr, acc, warp, widx, tab,
+                               lm_row, lm_col))
+            else:
+                self.mma_stage(n_mt, sB, ks % self.stages, a_saddr, acc, warp, widx, q0, tab,
+                               lm_row, lm_col)
 
     @cute.jit
     def mma_stage(self, n_mt: cutlass.Constexpr, sB, buf, a_saddr, acc, warp, widx, q0, tab,
-                  lm_row, lm_col):
+                  lm_row, lm_col, bits=None):
         """Decode this warp's B fragments of stage buffer `buf` and accumulate the rows of the
-        first `n_mt` m tiles."""
+        first `n_mt` m tiles (`bits`: the stage's K, mixed rates only)."""
         for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
             rBf = cute.make_rmem_tensor((2, 4), Uint32)
             for jj in cutlass.range_constexpr(2):
-                halves = self.decode_stage(sB, buf, kk, warp, widx, q0, jj, tab)
+                halves = self.decode_stage(sB, buf, kk, warp, widx, q0, jj, tab, bits)
                 for pair in cutlass.range_constexpr(4):
                     rBf[jj, pair] = halves[pair]
             for mt in cutlass.range_constexpr(n_mt):
@@ -516,27 +583,110 @@ class TrellisGemm:
                     acc[mt, nn, 2] = d2
                     acc[mt, nn, 3] = d3
 
-    def stage_words(self, sB, buf, kk, warp, widx, jj):
+    def stage_words(self, sB, buf, kk, warp, widx, jj, bits=None):
         """This lane's trellis words of tile (k step kk, 16-column tile 2*warp + jj) in
         stage buffer `buf`."""
-        return self.tile_words_at(sB, buf, kk, warp * 2 + jj, widx)
+        return self.tile_words_at(sB, buf, kk, warp * 2 + jj, widx, bits)
 
-    def tile_words_at(self, sB, buf, kk, n16, widx):
+    def tile_words_at(self, sB, buf, kk, n16, widx, bits=None):
         """This lane's trellis words of tile (k step kk, 16-column tile n16 of the N tile)
-        in stage buffer `buf`."""
-        tb = buf * self.b_stage_words + (kk * (TILE_N // 16) + n16) * self.tile_words
+        in stage buffer `buf` (tiles of `bits` K, default the uniform K, packed from the
+        buffer's start)."""
+        tile_words = self.tile_words if bits is None else 8 * bits
+        tb = buf * self.b_stage_words + (kk * (TILE_N // 16) + n16) * tile_words
         return [sB[tb + w] for w in widx]
 
-    def decode_stage(self, sB, buf, kk, warp, widx, q0, jj, tab=None):
+    def decode_stage(self, sB, buf, kk, warp, widx, q0, jj, tab=None, bits=None):
         """This lane's 4 half2 B registers of tile (k step kk, 16-column tile 2*warp + jj)
         (`tab`: the state table's shared-memory address, table codebooks only)."""
-        return decode_lane_tile(self.stage_words(sB, buf, kk, warp, widx, jj), q0, self.bits,
+        bits = self.bits if bits is None else bits
+        return decode_lane_tile(self.stage_words(sB, buf, kk, warp, widx, jj, bits), q0, bits,
                                 self.codebook, tab)
+
+    # -- mixed rates (module docstring) -------------------------------------------------
+
+    def copy_b(self, ks, buf, b_src, b_saddr, tidx, threads: int = THREADS):
+        """cp.async stage `ks`'s trellis words into buffer `buf`: `b_src` is the work item's
+        B base address (uniform K) or its rate context (mixed rates)."""
+        if cutlass.const_expr(self.mixed):
+            K, w = self.stage_rate(ks, b_src)
+            self.for_rate(0, K, self.issue_b_at_rate, (buf, w, b_src, b_saddr, tidx, threads))
+        else:
+            self.issue_b(ks, buf, b_src, b_saddr, tidx, threads)
+
+    def rate_context(self, b_gaddr, mRateBits, mRateWords, k_tile_words, expert, nt):
+        """What a mixed work item needs to find each stage's K and trellis words. FC1 (rate
+        axis n): the N tile's K and the word index of its tile (0, first column), read
+        once. FC2 (rate axis k): the expert's row of the rate maps, read per stage."""
+        row = expert * self.rate_tiles
+        if cutlass.const_expr(self.rate_axis == "n"):
+            j = row + nt * (TILE_N // 16)
+            return (b_gaddr, Int32(mRateBits[j]), Int32(mRateWords[j]), k_tile_words, nt)
+        return (b_gaddr, mRateBits, mRateWords, row, nt)
+
+    def stage_rate(self, ks, rctx):
+        """(K, word index of the stage's first k tile) of stage `ks` (run-time, CTA-uniform).
+        FC2: the row tile's index; its N tile's columns start 8 K words per tile later."""
+        if cutlass.const_expr(self.rate_axis == "n"):
+            _, K, w, k_tile_words, _ = rctx
+            return K, w + ks * K_STEPS_PER_STAGE * k_tile_words
+        _, mRateBits, mRateWords, row, _ = rctx
+        t = row + ks * K_STEPS_PER_STAGE
+        return Int32(mRateBits[t]), Int32(mRateWords[t])
+
+    @cute.jit
+    def for_rate(self, i: cutlass.Constexpr, K, fn, args):
+        """`fn(k, *args)` for the rate k of `rates[i:]` equal to the run-time K (CTA-uniform:
+        every thread reads the same map entry); the widest rate takes whatever is left."""
+        if cutlass.const_expr(i == len(self.rates) - 1):
+            fn(self.rates[i], *args)
+        else:
+            if K == self.rates[i]:
+                fn(self.rates[i], *args)
+            else:
+                self.for_rate(i + 1, K, fn, args)
+
+    def issue_b_at_rate(self, bits: int, buf, w, rctx, b_saddr, tidx, threads: int):
+        """`issue_b` for a stage of `bits` K whose first k tile starts at word `w`: 4 runs of
+        the N tile's 8 tiles (8 K words each), packed from the buffer's start (the ring is
+        sized for the widest K)."""
+        b_gaddr, nt = rctx[0], rctx[-1]
+        tile_words = 8 * bits
+        if cutlass.const_expr(self.rate_axis == "n"):
+            base, kt_stride = w, rctx[3]
+        else:
+            base, kt_stride = w + nt * (TILE_N // 16) * tile_words, self.n_tiles16 * tile_words
+        run_chunks = (TILE_N // 16) * tile_words * 4 // 16
+        b_chunks = K_STEPS_PER_STAGE * run_chunks
+        for i in range((b_chunks + threads - 1) // threads):
+            q = (tidx + threads * i) % b_chunks
+            kl = q // run_chunks
+            within = q % run_chunks
+            src = b_gaddr + Int64(base + kl * kt_stride) * 4 + within * 16
+            dst = b_saddr + (buf * self.b_stage_words + kl * (TILE_N // 16) * tile_words) * 4 + within * 16
+            if threads * (i + 1) > b_chunks:  # the wrapping slots (as in issue_a)
+                ptx.cp_async_16_if(Int32(cutlass.select_(tidx + threads * i < b_chunks, 1, 0)),
+                                   dst, src)
+                continue
+            ptx.cp_async_16(dst, src)
+
+    def rate_table(self, tab, bits: int):
+        """Shared-memory address of `bits`'s state table (tables in `rates` order)."""
+        return tab + self.rates.index(bits) * TABLE_BYTES
+
+    @cute.jit
+    def mma_stage_at_rate(self, bits: cutlass.Constexpr, n_mt: cutlass.Constexpr, sB, buf,
+                          a_saddr, acc, warp, lanes, tab, lm_row, lm_col):
+        """`mma_stage` of a stage of `bits` K (its lane windows and state table)."""
+        widx, q0 = lanes[bits]
+        self.mma_stage(n_mt, sB, buf, a_saddr, acc, warp, widx, q0, self.rate_table(tab, bits),
+                       lm_row, lm_col, bits)
 
     @cute.kernel
     def kernel(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
-               n_routes: Int32, zero_row: Int32, pTable: cute.Pointer):
+               n_routes: Int32, zero_row: Int32, pTable: cute.Pointer, pRateBits: cute.Pointer,
+               pRateWords: cute.Pointer, k_tile_words: Int32):
         big = 1 << 30
         mSorted = cute.make_tensor(pSorted, cute.make_layout(big))
         mBlockExpert = cute.make_tensor(pBlockExpert, cute.make_layout(big))
@@ -547,7 +697,7 @@ class TrellisGemm:
         smem = cutlass.memory.SmemAllocator()
         tab = None
         if cutlass.const_expr(self.table):
-            sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(TABLE_BYTES), 128)
+            sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(table_bytes(self.codebook, self.bits_set)), 128)
             tab = sT.iterator.toint()
         sA = smem.allocate_tensor(cutlass.Float16, cute.make_layout(a_smem_halves(self.block_m, self.stages)), 128)
         sB = smem.allocate_tensor(Uint32, cute.make_layout(self.stages * self.b_stage_words), 128)
@@ -559,8 +709,15 @@ class TrellisGemm:
         warp = tidx // 32
         lane = tidx % 32
 
-        # Lane-constant part of the trellis bit window: weights 8*lane .. 8*lane+7.
-        widx, q0 = lane_words(lane, self.bits)
+        # Lane-constant part of the trellis bit window: weights 8*lane .. 8*lane+7 (mixed
+        # rates: one window per rate, widx = {K: (words, q0)}).
+        rates = None
+        if cutlass.const_expr(self.mixed):
+            widx, q0 = {k: lane_words(lane, k) for k in self.rates}, None
+            rates = (cute.make_tensor(pRateBits, cute.make_layout(big)),
+                     cute.make_tensor(pRateWords, cute.make_layout(big)), k_tile_words)
+        else:
+            widx, q0 = lane_words(lane, self.bits)
         # ldmatrix row address of this lane inside one 16-row m tile.
         lm_row = ((lane // 8) % 2) * 8 + lane % 8
         lm_col = (lane // 16) * 8
@@ -575,22 +732,25 @@ class TrellisGemm:
             # Persistent CTA: stage the state table once, then every grid-th work item.
             gdim, _, _ = cute.arch.grid_dim()
             if bidx < total:
-                stage_table(pTable, tab, tidx, THREADS)
+                stage_table(pTable, tab, tidx, THREADS, table_bytes(self.codebook, self.bits_set))
             for work in range(bidx, total, gdim):
                 self.work_item(work, mSorted, mBlockExpert, pOut, n_routes, zero_row, a_gaddr,
-                               b_gaddr, a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx)
+                               b_gaddr, a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx,
+                               rates)
                 cute.arch.sync_threads()  # the next item's copies overwrite the epilogue chunks
             cute.arch.cp_async_wait_group(0)  # a CTA whose items were all empty: the table
         else:
             work = bidx
             if work < total:
                 self.work_item(work, mSorted, mBlockExpert, pOut, n_routes, zero_row, a_gaddr,
-                               b_gaddr, a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx)
+                               b_gaddr, a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx,
+                               rates)
 
     @cute.jit
     def work_item(self, work, mSorted, mBlockExpert, pOut, n_routes, zero_row, a_gaddr, b_gaddr,
-                  a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx):
-        """Work item `work` (route block x N tile): A sources, MMAs, epilogue."""
+                  a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx, rates=None):
+        """Work item `work` (route block x N tile): A sources, MMAs, epilogue (`rates`: the
+        rate-map tensors and FC1 k-tile stride, mixed rates only)."""
         tidx, warp, lane, widx, q0, tab, lm_row, lm_col = lane_ctx
         blk = work // self.n_tiles
         nt = work - blk * self.n_tiles
@@ -612,7 +772,10 @@ class TrellisGemm:
         expert = mBlockExpert[blk]
         if expert >= 0:
             acc.fill(0.0)
-            b_gbase = b_gaddr + self.b_tile_base(expert, nt)
+            if cutlass.const_expr(self.mixed):
+                b_gbase = self.rate_context(b_gaddr, *rates, expert, nt)
+            else:
+                b_gbase = b_gaddr + self.b_tile_base(expert, nt)
             # Only the m tiles holding real rows (a prefix of the block) run their MMAs:
             # e.g. the last block of an expert, 9 real rows of 64 at 4,096 tokens. Every
             # warp computes the same ballots, so the branch is uniform across the CTA

@@ -32,6 +32,12 @@ same wgmma shape per k step); it does not hold between this kernel and mma.sync,
 plans of one layer always share the MMA kind.
 Table codebooks (sqg_e4m3): as in `TrellisGemm`, the 64 KiB state table sits in front of
 the rings, each CTA stages it once and loops over work items (persistent grid).
+Mixed rates (`bits_set`, see `TrellisGemm`): per stage a CTA-uniform branch on the stage's K
+picks the K-specialized copy and k steps; each branch waits for its own wgmmas before the
+branches merge (a wgmma in flight across a branch would make ptxas serialize the pipeline),
+which is where the uniform loop waits anyway (the drain at the next stage's top). One state
+table per rate (128 KiB for {3, 4}) leaves shared memory for one CTA per SM, so a mixed CTA
+always runs two warpgroups (64 columns each, 8 warps per SM as two uniform CTAs have).
 """
 
 from __future__ import annotations
@@ -41,9 +47,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from . import ptx
-from .trellis_gemm import (K_STEPS_PER_STAGE, NUM_WARPS, TABLE_BYTES, THREADS, TILE_N,
+from .trellis_gemm import (K_STEPS_PER_STAGE, NUM_WARPS, THREADS, TILE_N,
                            TrellisGemm, b_stage_bytes, decode_lane_tile, lane_words,
-                           persistent_grid, stage_table, table_bytes)
+                           persistent_grid, stage_table, table_bytes, table_note)
 
 CORE_ROWS = 8  # rows of a wgmma core matrix (the swizzle period)
 K_STEP_BYTES = 16 * 2  # one 16-wide k step of an fp16 activation row
@@ -71,18 +77,19 @@ def default_span(block_m: int) -> int:
     return 2 if block_m == 32 else 1
 
 
-def warpgroups(rows: int) -> int:
-    """Warpgroups per CTA: two (64 columns each) once one would hold > 32 accumulators."""
-    return 2 if rows > 64 else 1
+def warpgroups(rows: int, mixed: bool = False) -> int:
+    """Warpgroups per CTA: two (64 columns each) once one would hold > 32 accumulators, and
+    always under mixed rates (module docstring)."""
+    return 2 if rows > 64 or mixed else 1
 
 
 def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1,
-               codebook: str | None = None) -> int:
-    """The codebook's state table, the activation ring (reused by the epilogue's [rows,
-    132] fp32 tile) and the B ring."""
+               codebook: str | None = None, bits_set: tuple = ()) -> int:
+    """The codebook's state tables, the activation ring (reused by the epilogue's [rows,
+    132] fp32 tile) and the B ring (sized for `bits`, the widest K)."""
     rows = span * block_m
     a_region = max(stages * a_stage_bytes(rows), rows * OUT_ROW_FLOATS * 4)
-    return table_bytes(codebook) + a_region + stages * b_stage_bytes(bits)
+    return table_bytes(codebook, bits_set) + a_region + stages * b_stage_bytes(bits)
 
 
 def check_span(block_m: int, span: int) -> str | None:
@@ -109,25 +116,25 @@ class TrellisWgmma:
     @staticmethod
     def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                       stages: int, span: int = 1, smem_limit: int | None = None,
-                      **gemm_args) -> str | None:
+                      bits_set: tuple = (), **gemm_args) -> str | None:
         """None when this geometry compiles to a valid kernel, else the reason: the span,
         the mma.sync GEMM's geometry rules (it owns decode and ring), this kernel's smem."""
         reason = check_span(block_m, span)
         if reason is None:
             reason = TrellisGemm.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim,
                                                bits=bits, codebook=codebook, stages=stages,
-                                               **gemm_args)
+                                               bits_set=bits_set, **gemm_args)
         if reason is None and smem_limit is not None:
-            need = smem_bytes(block_m, bits, stages, span, codebook)
+            need = smem_bytes(block_m, bits, stages, span, codebook, bits_set)
             if need > smem_limit:
-                with_table = (f" (incl. the {table_bytes(codebook) // 1024} KiB {codebook} state "
-                              "table)" if table_bytes(codebook) else "")
-                reason = f"shared memory {need:,} B{with_table} > {smem_limit:,} B per-block limit"
+                reason = (f"shared memory {need:,} B{table_note(codebook, bits_set)} > "
+                          f"{smem_limit:,} B per-block limit")
         return reason
 
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                  topk: int, a_rows_per_token: bool, stages: int, min_ctas_per_sm: int = 1,
-                 span: int = 1, ctas_per_sm: int = 1):
+                 span: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
+                 rate_axis: str = "n"):
         reason = check_span(block_m, span)
         if reason is not None:
             raise ValueError(reason)
@@ -135,11 +142,11 @@ class TrellisWgmma:
         self.g = TrellisGemm(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                              codebook=codebook, topk=topk, a_rows_per_token=a_rows_per_token,
                              stages=stages, min_ctas_per_sm=min_ctas_per_sm,
-                             ctas_per_sm=ctas_per_sm)
+                             ctas_per_sm=ctas_per_sm, bits_set=bits_set, rate_axis=rate_axis)
         self.block_m = block_m
         self.span = span
         self.rows = span * block_m  # wgmma n: activation rows of one work item
-        self.warpgroups = warpgroups(self.rows)
+        self.warpgroups = warpgroups(self.rows, self.g.mixed)
         self.threads = THREADS * self.warpgroups
         self.num_warps = NUM_WARPS * self.warpgroups
         self.m64_per_wg = 2 // self.warpgroups  # m64 x n accumulator tiles per warpgroup
@@ -153,18 +160,19 @@ class TrellisWgmma:
         self.n_variants = tuple(sorted({min(16 * i, self.rows)
                                         for i in range(1, (self.rows + 15) // 16 + 1)}))
         self.a_region = max(stages * self.a_stage, self.rows * OUT_ROW_FLOATS * 4)
-        self.smem_bytes = smem_bytes(block_m, bits, stages, span, codebook)
+        self.smem_bytes = smem_bytes(block_m, bits, stages, span, codebook, self.g.bits_set)
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                  pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOffsets: cute.Pointer,
                  pCounts: cute.Pointer, pOut: cute.Pointer, n_routes: Int32, zero_row: Int32,
-                 max_blocks: Int32, pTable: cute.Pointer, sm_count: Int32, stream):
+                 max_blocks: Int32, pTable: cute.Pointer, sm_count: Int32,
+                 pRateBits: cute.Pointer, pRateWords: cute.Pointer, k_tile_words: Int32, stream):
         grid = max_blocks * self.g.n_tiles
         if cutlass.const_expr(self.g.table):
             grid = persistent_grid(max_blocks, self.g.n_tiles, sm_count, self.g.ctas_per_sm)
         self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOffsets, pCounts, pOut,
-                    n_routes, zero_row, pTable).launch(
+                    n_routes, zero_row, pTable, pRateBits, pRateWords, k_tile_words).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
             stream=stream, min_blocks_per_mp=self.g.min_ctas_per_sm, preferred_smem_carveout=100)
 
@@ -186,18 +194,20 @@ class TrellisWgmma:
             if rAsrc[i] >= 0:  # rows past the real ones are not copied (their outputs are
                 ptx.cp_async_16(dst, src)  # discarded; a wgmma column only feeds its own row)
 
-    def decode_a(self, sB, buf, kk, n16, widx, q0, tab):
-        """A registers (W_hat^T fragment) of 16x16 tile (k step kk, output tile n16)."""
+    def decode_a(self, sB, buf, kk, n16, widx, q0, tab, bits=None):
+        """A registers (W_hat^T fragment) of 16x16 tile (k step kk, output tile n16)
+        (`bits`: the stage's K, mixed rates only)."""
         g = self.g
-        words = g.tile_words_at(sB, buf, kk, n16, widx)
-        h = decode_lane_tile(words, q0, g.bits, g.codebook, tab)
+        words = g.tile_words_at(sB, buf, kk, n16, widx, bits)
+        h = decode_lane_tile(words, q0, g.bits if bits is None else bits, g.codebook, tab)
         return h[0], h[2], h[1], h[3]
 
     @cute.kernel
     def kernel(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOffsets: cute.Pointer,
                pCounts: cute.Pointer, pOut: cute.Pointer, n_routes: Int32, zero_row: Int32,
-               pTable: cute.Pointer):
+               pTable: cute.Pointer, pRateBits: cute.Pointer, pRateWords: cute.Pointer,
+               k_tile_words: Int32):
         big = 1 << 30
         mSorted = cute.make_tensor(pSorted, cute.make_layout(big))
         mBlockExpert = cute.make_tensor(pBlockExpert, cute.make_layout(big))
@@ -210,7 +220,7 @@ class TrellisWgmma:
         smem = cutlass.memory.SmemAllocator()
         tab = None
         if cutlass.const_expr(self.g.table):
-            sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(TABLE_BYTES), 1024)
+            sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(table_bytes(self.g.codebook, self.g.bits_set)), 1024)
             tab = sT.iterator.toint()
         sA = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.a_region), 1024)
         sB = smem.allocate_tensor(Uint32, cute.make_layout(self.g.stages * self.g.b_stage_words), 128)
@@ -221,7 +231,13 @@ class TrellisWgmma:
         bidx, _, _ = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
-        widx, q0 = lane_words(lane, self.g.bits)
+        rates = None
+        if cutlass.const_expr(self.g.mixed):  # one lane window per rate: {K: (words, q0)}
+            widx, q0 = {k: lane_words(lane, k) for k in self.g.rates}, None
+            rates = (cute.make_tensor(pRateBits, cute.make_layout(big)),
+                     cute.make_tensor(pRateWords, cute.make_layout(big)), k_tile_words)
+        else:
+            widx, q0 = lane_words(lane, self.g.bits)
 
         num_blocks = mNumPadded[0] // self.block_m
         total = num_blocks * self.g.n_tiles
@@ -234,22 +250,24 @@ class TrellisWgmma:
             # Persistent CTA: stage the state table once, then every grid-th work item.
             gdim, _, _ = cute.arch.grid_dim()
             if bidx < total:
-                stage_table(pTable, tab, tidx, self.threads)
+                stage_table(pTable, tab, tidx, self.threads,
+                            table_bytes(self.g.codebook, self.g.bits_set))
             for work in range(bidx, total, gdim):
                 self.work_item(work, groups, pOut, n_routes, a_gaddr, b_gaddr, a_saddr, b_saddr,
-                               sB, rAsrc, rRoute, acc, lane_ctx)
+                               sB, rAsrc, rRoute, acc, lane_ctx, rates)
                 cute.arch.sync_threads()  # the next item's copies overwrite the epilogue tile
             cute.arch.cp_async_wait_group(0)  # a CTA whose items were all empty: the table
         else:
             work = bidx
             if work < total:
                 self.work_item(work, groups, pOut, n_routes, a_gaddr, b_gaddr, a_saddr, b_saddr,
-                               sB, rAsrc, rRoute, acc, lane_ctx)
+                               sB, rAsrc, rRoute, acc, lane_ctx, rates)
 
     @cute.jit
     def work_item(self, work, groups, pOut, n_routes, a_gaddr, b_gaddr, a_saddr, b_saddr, sB,
-                  rAsrc, rRoute, acc, lane_ctx):
-        """Work item `work` (route block x N tile; a span's leader takes `span` blocks)."""
+                  rAsrc, rRoute, acc, lane_ctx, rates=None):
+        """Work item `work` (route block x N tile; a span's leader takes `span` blocks;
+        `rates`: the rate-map tensors and FC1 k-tile stride, mixed rates only)."""
         mSorted, mBlockExpert, mOffsets, mCounts = groups
         tidx, warp, lane, widx, q0, tab = lane_ctx
         blk = work // self.g.n_tiles
@@ -283,7 +301,10 @@ class TrellisWgmma:
             rRoute[i] = Int32(cutlass.select_(row < n_real, r, n_routes))
         if lead:
             acc.fill(0.0)
-            b_gbase = b_gaddr + self.g.b_tile_base(expert, nt)
+            if cutlass.const_expr(self.g.mixed):
+                b_gbase = self.g.rate_context(b_gaddr, *rates, expert, nt)
+            else:
+                b_gbase = b_gaddr + self.g.b_tile_base(expert, nt)
             self.dispatch(0, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr, acc,
                           tidx, warp, widx, q0, tab)
             cute.arch.cp_async_wait_group(0)
@@ -315,7 +336,7 @@ class TrellisWgmma:
         for s in cutlass.range_constexpr(self.g.stages - 1):
             if s < self.g.k_stages:
                 self.issue_a(s, s, a_gaddr, a_saddr, rAsrc, tidx)
-                self.g.issue_b(s, s, b_gbase, b_saddr, tidx, self.threads)
+                self.g.copy_b(s, s, b_gbase, b_saddr, tidx, self.threads)
             cute.arch.cp_async_commit_group()
         for ks in range(self.g.k_stages):
             self.wait_acc(acc, 0, n_acc)  # the previous stage's buffer is about to be refilled
@@ -325,9 +346,14 @@ class TrellisWgmma:
             nxt = ks + self.g.stages - 1
             if nxt < self.g.k_stages:
                 self.issue_a(nxt, nxt % self.g.stages, a_gaddr, a_saddr, rAsrc, tidx)
-                self.g.issue_b(nxt, nxt % self.g.stages, b_gbase, b_saddr, tidx, self.threads)
+                self.g.copy_b(nxt, nxt % self.g.stages, b_gbase, b_saddr, tidx, self.threads)
             cute.arch.cp_async_commit_group()
-            self.mma_steps(sB, ks % self.g.stages, a_saddr, acc, warp, widx, q0, tab, n_acc)
+            if cutlass.const_expr(self.g.mixed):
+                K, _ = self.g.stage_rate(ks, b_gbase)
+                self.g.for_rate(0, K, self.mma_steps_at_rate,
+                                (sB, ks % self.g.stages, a_saddr, acc, warp, widx, tab, n_acc))
+            else:
+                self.mma_steps(sB, ks % self.g.stages, a_saddr, acc, warp, widx, q0, tab, n_acc)
         self.wait_acc(acc, 0, n_acc)
 
     @cute.jit
@@ -341,7 +367,17 @@ class TrellisWgmma:
                 acc[t, j] = vals[t * n_acc + j]
 
     @cute.jit
-    def mma_steps(self, sB, buf, a_saddr, acc, warp, widx, q0, tab, n_acc: cutlass.Constexpr):
+    def mma_steps_at_rate(self, bits: cutlass.Constexpr, sB, buf, a_saddr, acc, warp, lanes, tab,
+                          n_acc: cutlass.Constexpr):
+        """`mma_steps` of a stage of `bits` K, then wait for its wgmmas (module docstring)."""
+        widx, q0 = lanes[bits]
+        self.mma_steps(sB, buf, a_saddr, acc, warp, widx, q0, self.g.rate_table(tab, bits), n_acc,
+                       bits)
+        self.wait_acc(acc, 0, n_acc)
+
+    @cute.jit
+    def mma_steps(self, sB, buf, a_saddr, acc, warp, widx, q0, tab, n_acc: cutlass.Constexpr,
+                  bits=None):
         """The k steps of stage buffer `buf`. Per k step: this warpgroup's m64 tiles t cover
         output columns 64 * (wg * m64_per_wg + t) .. + 63; warp w of the group decodes their
         16-column tile w; wgmma n = 2 * n_acc."""
@@ -351,7 +387,7 @@ class TrellisWgmma:
             if cutlass.const_expr(kk >= 2):
                 self.wait_acc(acc, 1, n_acc)  # step kk - 2 read the registers reused here
             frags = [self.decode_a(sB, buf, kk, (wg * self.m64_per_wg + t) * NUM_WARPS + wq,
-                                   widx, q0, tab) for t in range(self.m64_per_wg)]
+                                   widx, q0, tab, bits) for t in range(self.m64_per_wg)]
             desc = smem_descriptor_sw128(a_saddr + buf * self.a_stage + kk * K_STEP_BYTES)
             ptx.wgmma_fence()
             for t in cutlass.range_constexpr(self.m64_per_wg):

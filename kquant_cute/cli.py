@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     geo.add_argument("--profile", default=None, metavar="NAME",
                      help="a QSRT layer profile instead of --bits / --codebook: "
                      "k2_coupled_h512_h128 (Kimi-K3's production profile: sqg_e4m3 K=2, coupled "
-                     "transforms); the mixed-rate profiles are refused with the reason")
+                     "transforms), k3x22_k4x2 or k3x22_k4x2_coupled_h512_h128 (mixed records at "
+                     "K=3 and K=4: two resident state tables, sm_90 / sm_100 only)")
     geo.add_argument("--per-expert-vectors", action="store_true",
                      help="per-expert hidden-side suh/svh (EXL3) instead of shared ones (Kimi-K3)")
     geo.add_argument("--expert-map", action="store_true", help="with a global->local expert map (EP)")
@@ -282,12 +283,14 @@ def _profile_fields(args: argparse.Namespace) -> dict[str, Any]:
     if prof is None:
         raise _UsageError(f"--profile {args.profile}: unknown QSRT profile; known: "
                           f"{', '.join(qsrt.PROFILES)}")
-    if prof.uniform_bits is None:
-        raise _UsageError(f"--profile {args.profile}: mixed record rates (per-record K) are not "
-                          "in the fused kernel yet; only uniform-rate profiles compile "
-                          f"({qsrt.PRODUCTION_PROFILE})")
+    rates = {}
+    bits = prof.uniform_bits
+    if bits is None:  # mixed record rates: the kernel decodes every K of the rate set
+        from .qsrt_mixed import RATE_SET
+
+        rates, bits = {"bits_set": RATE_SET}, RATE_SET[-1]
     g = DEFAULT_GEOMETRY
-    for flag, value, default, wanted in (("--bits", args.bits, g.bits, prof.uniform_bits),
+    for flag, value, default, wanted in (("--bits", args.bits, g.bits, bits),
                                          ("--codebook", args.codebook, g.codebook, "sqg_e4m3")):
         if value not in (default, wanted):
             raise _UsageError(f"{flag} {value} contradicts --profile {args.profile} "
@@ -295,7 +298,7 @@ def _profile_fields(args: argparse.Namespace) -> dict[str, Any]:
     if prof.coupled and args.per_expert_vectors:
         raise _UsageError(f"--per-expert-vectors contradicts --profile {args.profile} (coupled "
                           "transforms need shared hidden-side vectors)")
-    return {"bits": prof.uniform_bits, "codebook": "sqg_e4m3", "coupled": prof.coupled}
+    return {"bits": bits, "codebook": "sqg_e4m3", "coupled": prof.coupled, **rates}
 
 
 def _geometry(args: argparse.Namespace) -> MoESpec:

@@ -10,6 +10,11 @@ shape, contiguity, capacity, id range) and returns a `BoundForward` holding only
 and raw pointers; `BoundForward.run()` launches on the current torch stream and never
 allocates, so it can be captured in a CUDA graph and replayed with new input contents.
 
+Mixed-rate weights (`kquant_cute.mixed.MixedMoEWeights`, QSRT `k3x22_k4x2`): the plans get
+the layer's rate set (`MoESpec.bits_set`) and the layer binds the rate maps
+(`MixedMoEWeights.rate_args`, the launch contract's "rates" arguments) and one state table
+per rate; one K throughout binds the uniform kernels on the same storage (it is EXL3's).
+
 Input semantics (the same as `kquant_cute.reference.reference_moe`): m = 0 launches
 nothing and returns an empty [0, H] output; a topk id of -1 is "no route" (it contributes
 nothing, with or without an expert map; other negative ids are rejected); duplicate ids in
@@ -37,8 +42,9 @@ from . import trellis
 from .compile_cache import default_cache
 from .compiler import ForwardPlan, plan_forward
 from .environment import ConfigurationError, check_environment
-from .kernels.launch import ARGS, ScratchLayout, int_args, scratch_layout
+from .kernels.launch import ARGS, RATE_ARGS, ScratchLayout, int_args, scratch_layout
 from .kernels.moe import MoESpec
+from .mixed import MixedMoEWeights
 from .planners import resolve_env
 from .weights import MoEWeights
 
@@ -60,9 +66,11 @@ def layer_spec(weights, *, topk: int, act_dtype: torch.dtype = torch.bfloat16,
                span: Optional[int] = None) -> MoESpec:
     """The base `MoESpec` (block_m 8) a `MoELayer` with these arguments plans from; weights
     may be any object with the `MoEWeights` shape properties (e.g. CPU weights, to prewarm
-    the cache for a GPU run with `compiler.plan_forward`)."""
+    the cache for a GPU run with `compiler.plan_forward`), or `MixedMoEWeights` (their
+    `rate_set` becomes `bits_set`, `bits` its widest K; one K: a uniform spec)."""
+    bits, bits_set = _rates(weights)
     base = MoESpec(num_experts=weights.num_experts, hidden=weights.hidden,
-                   intermediate=weights.intermediate, topk=topk, bits=weights.bits,
+                   intermediate=weights.intermediate, topk=topk, bits=bits, bits_set=bits_set,
                    codebook=weights.codebook, block_m=8, act_dtype=_dtype_name(act_dtype),
                    out_dtype=_dtype_name(out_dtype), activation=activation,
                    shared_hidden_vectors=weights.shared_hidden_vectors,
@@ -70,6 +78,15 @@ def layer_spec(weights, *, topk: int, act_dtype: torch.dtype = torch.bfloat16,
                    coupled=bool(getattr(weights, "coupled", False)))
     knobs = {"stages": stages, "occupancy": occupancy, "mma": mma, "span": span}
     return base.replace(**{k: v for k, v in knobs.items() if v is not None})
+
+
+def _rates(weights) -> tuple[int, tuple]:
+    """(bits, bits_set) of a layer's weights: mixed weights with several K give their rate
+    set (bits = its widest), everything else a uniform K."""
+    if isinstance(weights, MixedMoEWeights):
+        rates = weights.rate_set
+        return rates[-1], (rates if len(rates) > 1 else ())
+    return weights.bits, ()
 
 
 class MoELayer:
@@ -91,8 +108,9 @@ class MoELayer:
                 cache = default_cache()
             except ValueError as exc:  # pragma: no cover - check_environment saw it first
                 raise ConfigurationError([str(exc)]) from None
-        if not isinstance(weights, MoEWeights):
-            raise TypeError("weights must be a kquant_cute.weights.MoEWeights")
+        if not isinstance(weights, (MoEWeights, MixedMoEWeights)):
+            raise TypeError("weights must be a kquant_cute.weights.MoEWeights or a "
+                            "kquant_cute.mixed.MixedMoEWeights")
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         id_bound = weights.num_experts if num_global_experts is None else num_global_experts
@@ -137,6 +155,15 @@ class MoELayer:
         self._weight_tensors = {a.name: getattr(weights, a.name) for a in ARGS if a.kind == "weight"}
         if not weights.coupled:  # the kernels never read the sign pointers; any valid address
             self._weight_tensors.update(pre_signs=weights.down_suh, post_signs=weights.down_suh)
+        self._fc1_row_words = 0
+        if base.mixed:
+            weights.check_rate_runs(MoESpec.rate_runs())
+            rates, self._fc1_row_words = weights.rate_args()
+            self._weight_tensors.update(rates)
+        else:  # uniform kernels never read the rate maps; any valid address
+            if isinstance(weights, MixedMoEWeights):
+                _check_uniform_storage(weights)
+            self._weight_tensors.update({name: weights.down_suh for name in RATE_ARGS})
         for name, t in self._weight_tensors.items():
             if not t.is_contiguous() or t.data_ptr() % 16:
                 raise ValueError(f"weights.{name} must be contiguous and 16-byte aligned")
@@ -144,8 +171,9 @@ class MoELayer:
         self._no_map = torch.full((1,), -1, dtype=torch.int32, device=self.device)
         # The codebook's state table (sqg_e4m3: 64 KiB of E4M3 bytes, staged into shared
         # memory by each persistent GEMM CTA); other codebooks read none (any address).
-        if weights.codebook == "sqg_e4m3":
-            self._table = trellis.sqg_state_table(weights.bits, self.device)
+        if weights.codebook == "sqg_e4m3":  # mixed rates: one table per K, in bits_set order
+            self._table = torch.cat([trellis.sqg_state_table(k, self.device)
+                                     for k in (base.bits_set or (base.bits,))])
         else:
             self._table = torch.zeros(16, dtype=torch.uint8, device=self.device)
         self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -235,7 +263,8 @@ class MoELayer:
                        expert_map=expert_map if expert_map is not None else self._no_map,
                        codebook_table=self._table)
         ints = int_args(plan.spec, m=m, capacity=self.capacity,
-                        max_blocks=self.plan.route.max_blocks(m), sm_count=self._sm_count)
+                        max_blocks=self.plan.route.max_blocks(m), sm_count=self._sm_count,
+                        fc1_row_words=self._fc1_row_words)
         return BoundForward(plan, tensors, ints, out, arena, self._stream_key())
 
     def _stream_key(self):
@@ -244,6 +273,18 @@ class MoELayer:
     def __call__(self, x, topk_ids, topk_weights, *, wait_for_previous: bool = False,
                  **kw) -> torch.Tensor:
         return self.bind(x, topk_ids, topk_weights, **kw).run(wait_for_previous=wait_for_previous)
+
+
+def _check_uniform_storage(weights: MixedMoEWeights) -> None:
+    """Mixed storage at one K is EXL3's layout when its rows are not padded; the uniform
+    kernels index it so."""
+    k = weights.rate_set[0]
+    i16, h16 = weights.intermediate // trellis.TILE, weights.hidden // trellis.TILE
+    for name, got, want in (("gate_trellis", weights.gate_trellis.shape[2], i16 * 16 * k),
+                            ("down_trellis", weights.down_trellis.shape[1], i16 * h16 * 16 * k)):
+        if got != want:
+            raise ValueError(f"weights.{name}: every tile is at K={k} but rows hold {got} int16, "
+                             f"not {want} (padded rows; the uniform kernel needs the EXL3 layout)")
 
 
 class _Arena:

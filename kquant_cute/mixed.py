@@ -20,13 +20,11 @@ Storage (what a kernel indexes; ``I16 = I / 16``, ``H16 = H / 16``):
   (prefix sums of ``H16 * 16 * fc2_bits[e]``); again the uniform case is EXL3's
   [E, I16, H16, 16K] flattened.
 
-Kernel plan (for the GPU work, not implemented here): FC1 work items load the K of each of
-their N tile's 16-wide columns (warp-uniform: a warp decodes whole tile columns) and the
-column offset from the two small tables, then branch to the K-specialized decode; FC2 work
-items cross records along their reduction loop and read K / offset per 16-row K step. All
-rates of ``rate_set`` have their state tables resident (two 64 KiB direct tables for
-{3, 4}, or the shared 4 KiB T12 + bijection), which is what the geometry check has to cover
-(:func:`kquant_cute.planners.geometry`). See docs/mixed_rates.md.
+The fused kernels (``MoESpec.bits_set``, kernels/trellis_gemm.py) read these rate maps at run
+time as the launch contract's ``rate`` arguments, which :meth:`MixedMoEWeights.rate_args`
+builds (K per tile and 32-bit word indices of each tile's trellis), and take K once per
+pipeline stage: :meth:`MixedMoEWeights.check_rate_runs` says whether a layer's rates are
+constant over the channel runs that needs. See docs/mixed_rates.md.
 
 Everything is validated on construction (ValueError naming the tensor); the reference MoE in
 :mod:`kquant_cute.reference` accepts these weights wherever it accepts :class:`MoEWeights`.
@@ -241,6 +239,54 @@ class MixedMoEWeights:
         """int64 [E, I/16 + 1]: FC2 row-tile word offsets within an expert (kernel table)."""
         return fc2_offsets(self.fc2_bits, self.hidden)
 
+    def check_rate_runs(self, runs: dict) -> None:
+        """ValueError unless K is constant over every aligned run of ``runs[family]``
+        channels of the intermediate axis (``{"fc1": 128, "fc2": 64}`` from
+        ``MoESpec.rate_runs()``: what the fused kernel takes one K for); names the map,
+        expert and channels."""
+        for family, channels in runs.items():
+            bits = getattr(self, f"{family}_bits")
+            per = channels // tc.TILE
+            if bits.shape[1] % per:
+                raise ValueError(f"{family}_bits: {self.intermediate} channels are not a multiple "
+                                 f"of the kernel's {channels}-channel rate runs")
+            runs_k = bits.view(bits.shape[0], -1, per)
+            bad = (runs_k != runs_k[:, :, :1]).any(dim=2).nonzero()
+            if bad.numel():
+                e, r = bad[0].tolist()
+                ks = sorted({int(k) for k in runs_k[e, r]})
+                raise ValueError(
+                    f"{family}_bits[{e}]: channels {r * channels}..{(r + 1) * channels - 1} mix "
+                    f"K {ks}; the fused kernel takes one K per {channels} channels of "
+                    f"{'gate / up (an N tile)' if family == 'fc1' else 'down (a pipeline stage)'} "
+                    "(QSRT records are 128 channels)")
+
+    def rate_args(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The fused kernel's rate maps (``kernels.launch.RATE_ARGS``) and ``fc1_row_words``:
+        ``fc1_bits`` / ``fc2_bits`` as stored, ``fc1_words[e, j]`` = 32-bit word index of tile
+        (0, j) of expert e in ``gate_trellis`` / ``up_trellis`` (tile row i another
+        ``fc1_row_words`` x i on), ``fc2_words[e, i]`` = word index of row tile i of expert e
+        in ``down_trellis``; int32, on the weights' device. ValueError when a row width is
+        not 16-byte aligned (every tile row must be, for the kernel's 16-byte copies) or an
+        index leaves int32."""
+        e = self.num_experts
+        h16 = self.gate_trellis.shape[1]
+        w1, w2 = self.gate_trellis.shape[2], self.down_trellis.shape[1]
+        for name, width in (("gate_trellis", w1), ("down_trellis", w2)):
+            if width % 8:
+                raise ValueError(f"{name} rows hold {width} int16, not a multiple of 8 "
+                                 "(16-byte aligned tile rows)")
+        experts = torch.arange(e, device=self.device, dtype=torch.int64)[:, None]
+        fc1 = (experts * h16 * w1 + self.fc1_offsets()[:, :-1].to(self.device)) // 2
+        fc2 = (experts * w2 + self.fc2_offsets()[:, :-1].to(self.device)) // 2
+        for name, words, total in (("fc1_words", fc1, e * h16 * w1 // 2),
+                                   ("fc2_words", fc2, e * w2 // 2)):
+            if total >= 2**31:
+                raise ValueError(f"{name}: {total:,} trellis words exceed int32 indexing")
+        return ({"fc1_bits": self.fc1_bits.contiguous(), "fc1_words": fc1.to(torch.int32),
+                 "fc2_bits": self.fc2_bits.contiguous(), "fc2_words": fc2.to(torch.int32)},
+                w1 // 2)
+
     # -- views -------------------------------------------------------------------------
 
     def tile_words(self, proj: str, e: int) -> list[tuple[int, int, torch.Tensor]]:
@@ -341,16 +387,20 @@ class MixedMoEWeights:
         shared_hidden_vectors: bool = True,
         coupled: bool = False,
         seed: int = 0,
+        device: Optional[torch.device | str] = None,
     ) -> "MixedMoEWeights":
         """Seeded random experts at the given rate maps (vectors as
-        :meth:`MoEWeights.random` draws them at the widest K; codes uniform random)."""
+        :meth:`MoEWeights.random` draws them at the widest K; codes uniform random), packed
+        on ``device`` (default: the CPU)."""
         e, i16 = fc1_bits.shape
         kmax = int(max(fc1_bits.max(), fc2_bits.max()))
         base = MoEWeights.random(e, hidden, i16 * tc.TILE, kmax, codebook,
                                  shared_hidden_vectors=shared_hidden_vectors, coupled=coupled,
-                                 seed=seed)
-        keep1 = torch.arange(16 * kmax) < 16 * fc1_bits[:, None, :, None]
-        keep2 = torch.arange(16 * kmax) < 16 * fc2_bits[:, :, None, None]
+                                 seed=seed, device=device)
+        fc1_bits, fc2_bits = fc1_bits.to(base.device), fc2_bits.to(base.device)
+        words = torch.arange(16 * kmax, device=base.device)
+        keep1 = words < 16 * fc1_bits[:, None, :, None]
+        keep2 = words < 16 * fc2_bits[:, :, None, None]
         vecs = {n: t for n, t in base.tensors() if not n.endswith("_trellis")}
         extra = {n: getattr(base, n) for n in ("rotation_draws", "pre_signs", "post_signs")}
         return cls.from_tiles(base.gate_trellis * keep1, base.up_trellis * keep1,

@@ -38,6 +38,7 @@ from . import trellis as tc
 __all__ = [
     "MIXED_PROFILES",
     "LOGICAL_RECORD_BITS",
+    "RATE_SET",
     "PAIR_KIND_BITS",
     "pair_rotation",
     "pair_is_p43",
@@ -60,6 +61,8 @@ TILES_PER_RECORD = RECORD_CHANNELS // tc.TILE
 PAIR_ROTATION_MUL = 5
 #: The logical record schedule of both H308 profiles (records 22 and 23 at K4).
 LOGICAL_RECORD_BITS = (3,) * 22 + (4,) * 2
+#: The distinct K of both H308 profiles (what a fused kernel for them decodes: MoESpec.bits_set).
+RATE_SET = tuple(sorted(set(LOGICAL_RECORD_BITS)))
 #: (low, high) record bits of each pair kind.
 PAIR_KIND_BITS = {"P22": (2, 2), "P24": (2, 4), "P33": (3, 3), "P43": (4, 3), "P44": (4, 4)}
 #: Coupled H308: static (FC1, FC2) kinds; every other pair is (P33, P33).

@@ -490,8 +490,10 @@ def test_progress_and_totals_explain_themselves(warm: dict[str, Any]) -> None:
 
 
 def test_profile_compiles_the_qsrt_production_layer(tmp_path: Path) -> None:
-    """--profile k2_coupled_h512_h128 = sqg_e4m3 K=2 with the coupled transforms; mixed-rate
-    profiles and contradicting flags are usage errors naming the flag."""
+    """--profile k2_coupled_h512_h128 = sqg_e4m3 K=2 with the coupled transforms; the
+    mixed-rate k3x22_k4x2 = sqg_e4m3 records at K 3 and 4 (both state tables: sm_90 yes,
+    sm_120's 99 KB no, with the reason); contradicting flags are usage errors naming the
+    flag."""
     geo = ["--experts", "8", "--hidden", "512", "--intermediate", "256", "--topk", "2"]
     rc, out, err = run_main(["--sm", "90", *geo, "--profile", "k2_coupled_h512_h128",
                              "--cache-dir", str(tmp_path), "--json", "-q",
@@ -500,9 +502,18 @@ def test_profile_compiles_the_qsrt_production_layer(tmp_path: Path) -> None:
     records = json.loads(out)
     assert [r["status"] for r in records] == ["compiled"]  # capacity 64: the decode plan only
     assert "_k2_sqg_e4m3_" in records[0]["kernel"] and "_cpl_" in records[0]["kernel"]
-    rc, _, err = run_main(["--sm", "90", *geo, "--profile", "k3x22_k4x2",
+    rc, out, err = run_main(["--sm", "90", *geo, "--profile", "k3x22_k4x2",
+                             "--cache-dir", str(tmp_path), "--json", "-q", "--capacity", "64"])
+    assert rc == 0, err
+    (record,) = json.loads(out)
+    assert record["status"] == "compiled" and "_k4_sqg_e4m3_" in record["kernel"]
+    assert "_r34_" in record["kernel"] and "_cpl_" not in record["kernel"]
+    rc, _, err = run_main(["--sm", "120", *geo, "--profile", "k3x22_k4x2",
+                           "--cache-dir", str(tmp_path), "--capacity", "64"])
+    assert rc == 2 and "128 KiB of sqg_e4m3 state tables for K 3, 4" in err
+    rc, _, err = run_main(["--sm", "90", *geo, "--profile", "k3x22_k4x2", "--bits", "3",
                            "--cache-dir", str(tmp_path)])
-    assert rc == 2 and "--profile k3x22_k4x2: mixed record rates" in err
+    assert rc == 2 and "--bits 3 contradicts --profile k3x22_k4x2 (--bits 4)" in err
     rc, _, err = run_main(["--sm", "90", *geo, "--profile", "k2_coupled_h512_h128", "--bits", "3",
                            "--cache-dir", str(tmp_path)])
     assert rc == 2 and "--bits 3 contradicts --profile k2_coupled_h512_h128" in err

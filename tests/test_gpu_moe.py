@@ -108,6 +108,7 @@ def test_decode_bit_exact_through_gemm(codebook, bits, mma):
             *groups, P(out, cutlass.Float32),
             cutlass.Int32(k_dim), cutlass.Int32(k_dim), cutlass.Int32(k_dim // block_m),
             P(table, cutlass.Uint8), cutlass.Int32(1),
+            P(num, cutlass.Uint8), P(num, cutlass.Int32), cutlass.Int32(0),  # no rate maps
             cuda.CUstream(torch.cuda.current_stream().cuda_stream)]
     fn = cute.compile(gemm, *args)
     fn(*args)

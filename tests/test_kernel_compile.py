@@ -205,6 +205,68 @@ def test_sqg_e4m3_sm120_plan_falls_back_to_a_block_that_fits(cache):
     assert geometry_check(base.replace(block_m=64, arch="sm_90a"), cache).ok
 
 
+MIXED = dict(codebook="sqg_e4m3", bits=4, bits_set=(3, 4))  # QSRT k3x22_k4x2's rates
+
+
+@needs_cuobjdump
+def test_mixed_rates_compile_on_sm90_with_a_table_per_rate(cache):
+    """k3x22_k4x2 (bits_set (3, 4)) on sm_90a: both GEMM paths compile at the plans' block
+    sizes with no spills; shared memory holds both 64 KiB state tables in front of a B ring
+    sized for K=4, which leaves one CTA per SM, so the wgmma CTA runs two warpgroups; the
+    plan pair for 4,096 tokens keeps M=8 / M=64."""
+    from kquant_cute.kernels.trellis_gemm import TABLE_BYTES, b_stage_bytes
+
+    limits = arch_limits("sm_90a")
+    for mma, name, blocks in (("wgmma", "TrellisWgmma", (8, 32, 64)),
+                              ("sync", "TrellisGemm", (8, 64))):
+        for m in blocks:
+            spec = DEFAULT_GEOMETRY.replace(block_m=m, arch="sm_90a", mma=mma, **MIXED)
+            verdict = geometry_check(spec, cache)
+            assert verdict.ok, (mma, m, verdict.reason)
+            assert verdict.spills == 0 and verdict.registers <= limits.regs_per_thread_max
+            threads, dynamic = spec.kernel_launches()[name]
+            assert threads == (256 if mma == "wgmma" else 128)
+            uniform = spec.replace(bits_set=())
+            # The uniform K=4 layer's bytes plus one more table: the ring is the widest K's.
+            assert dynamic == uniform.dynamic_smem()[name] + TABLE_BYTES
+            assert dynamic >= 2 * TABLE_BYTES + spec.stages * b_stage_bytes(4)
+            gemms = [k for k in _resources(spec, cache)["kernels"] if k["kernel"] == name]
+            assert len(gemms) == 3 and all(g["shared"] >= dynamic for g in gemms)
+            assert spec.gemm_resident_ctas() == 1
+    base = DEFAULT_GEOMETRY.replace(**MIXED)
+    plan = plan_forward(base, capacity=4096, arch="sm_90", env=resolve_env({}), cache=cache)
+    assert (plan.decode.spec.block_m, plan.prefill.spec.block_m) == (8, 64)
+    assert plan.prefill.spec.bits_set == (3, 4) and "_r34_" in plan.prefill.spec.kernel_name()
+
+
+def test_mixed_rate_rejections_name_the_reason():
+    """Where the tables do not fit (sm_120's 99 KB; three rates at wide blocks on sm_90)
+    the geometry is rejected before compiling, naming them; bad rate sets say why."""
+    base = DEFAULT_GEOMETRY.replace(block_m=8, **MIXED)
+    lim90 = arch_limits("sm_90a").smem_per_block_optin
+    lim120 = arch_limits("sm_120a").smem_per_block_optin
+    reason = base.replace(arch="sm_120a").check(smem_limit=lim120)
+    assert "128 KiB of sqg_e4m3 state tables for K 3, 4" in reason and "101,376" in reason
+    with pytest.raises(ValueError, match="decode specialization is not implementable: "
+                                         "shared memory .* state tables"):
+        plan_forward(base, capacity=64, arch="sm_120", env=resolve_env({}))
+    three = base.replace(bits_set=(2, 3, 4), arch="sm_90a")
+    assert three.replace(block_m=16).check(smem_limit=lim90) is None
+    assert "192 KiB of sqg_e4m3 state tables" in three.replace(block_m=64).check(smem_limit=lim90)
+    assert "need a table codebook" in base.replace(codebook="mcg").check()
+    assert "must be the widest K" in base.replace(bits=3).check()
+    assert "ascending" in base.replace(bits_set=(4, 3)).check()
+    assert "ascending" in base.replace(bits_set=(4,)).check()
+    assert "outside 2..4" in base.replace(bits_set=(3, 5), bits=5).check()
+    assert base.check() is None and base.mixed and not base.replace(bits_set=()).mixed
+    assert "_r34_" in base.kernel_name() and "_r34_" not in base.replace(bits_set=()).kernel_name()
+    assert base.key_fields()["bits_set"] == (3, 4)
+    # Only the GEMMs see the rates: FC1 along its N (output) axis, FC2 along its K.
+    subs = {s.role: s.args for s in base.sub_kernels()}
+    assert (subs["gemm1"]["rate_axis"], subs["gemm2"]["rate_axis"]) == ("n", "k")
+    assert all("bits_set" not in a for r, a in subs.items() if not r.startswith("gemm"))
+
+
 def test_sub_kernels_answer_the_same_questions():
     """Every device kernel of the forward: can_implement (a reason or None), threads and
     dynamic shared memory; the geometry check and the resource reading use this list."""

@@ -468,6 +468,19 @@ def test_layer_scratch_is_sized_by_the_plan(tmp_path) -> None:
     assert {m: o.result.status for m, o in plan.outcomes.items()} == {64: "compiled", 8: "compiled"}
 
 
+def test_entry_point_takes_the_launch_contract_in_order():
+    """MoEForward's arguments are ARGS in order, then the stream: the layer binds by name and
+    passes them positionally (the rate maps sit between the table and the scratch)."""
+    import inspect
+
+    from kquant_cute.kernels.launch import ARGS, RATE_ARGS
+    from kquant_cute.kernels.moe import MoEForward
+
+    params = list(inspect.signature(MoEForward.__call__).parameters)
+    assert params[1:] == [a.name for a in ARGS] + ["stream"]
+    assert RATE_ARGS == ("fc1_bits", "fc1_words", "fc2_bits", "fc2_words")
+
+
 def test_int_args_cover_every_int_argument_of_the_entry_point():
     """int_args gives exactly the entry point's Int32 arguments (a missing or stale one fails
     only at launch on a GPU otherwise)."""
@@ -478,4 +491,8 @@ def test_int_args_cover_every_int_argument_of_the_entry_point():
                    block_m=8, shared_hidden_vectors=True)
     got = int_args(spec, m=5, capacity=64, max_blocks=12, sm_count=132)
     assert list(got) == [a.name for a in ARGS if a.kind == "int"]
-    assert got == {"m": 5, "max_blocks": 12, "rows_cap": 64, "routes_cap": 128, "sm_count": 132}
+    assert got == {"m": 5, "max_blocks": 12, "rows_cap": 64, "routes_cap": 128, "sm_count": 132,
+                   "fc1_row_words": 0}  # a uniform layer has no rate maps
+    mixed = int_args(spec.replace(codebook="sqg_e4m3", bits_set=(3, 4)), m=5, capacity=64,
+                     max_blocks=12, sm_count=132, fc1_row_words=1536)
+    assert mixed["fc1_row_words"] == 1536

@@ -390,3 +390,61 @@ def test_uniform_layer_in_mixed_storage_gives_the_same_reference():
     ids = torch.randint(0, 3, (4, 2), generator=gen)
     tw = torch.rand(4, 2, generator=gen)
     assert torch.equal(reference.reference_moe(x, ids, tw, m), reference.reference_moe(x, ids, tw, w))
+
+
+# --------------------------------------------------------------------------------------
+# The fused kernel's rate maps
+# --------------------------------------------------------------------------------------
+
+
+def test_kernel_rate_maps_index_every_tile():
+    """`rate_args` (the launch contract's rate maps) locate every tile's 16K int16 in the
+    packed storage: FC1 tile (i, j) at word fc1_words[e, j] + i * fc1_row_words of
+    gate/up, FC2 tile (i, n) at fc2_words[e, i] + 8 K n of down."""
+    from kquant_cute.kernels.launch import RATE_ARGS
+
+    fc1 = _bits([[3, 4], [4, 4], [2, 2]])
+    fc2 = torch.tensor([[4, 3, 3, 2], [3, 3, 3, 3], [2, 4, 4, 4]],
+                       dtype=torch.uint8).repeat_interleave(4, dim=1)  # K per 64 channels
+    w = MixedMoEWeights.random(fc1, fc2, 256, seed=7)
+    maps, row_words = w.rate_args()
+    assert sorted(maps) == sorted(RATE_ARGS) and row_words == w.gate_trellis.shape[2] // 2
+    assert maps["fc1_words"].dtype == maps["fc2_words"].dtype == torch.int32
+    assert torch.equal(maps["fc1_bits"], fc1) and torch.equal(maps["fc2_bits"], fc2)
+    tiles = w.to_tiles()
+    flat = {p: getattr(w, f"{p}_trellis").flatten() for p in ("gate", "up", "down")}
+    for e in range(3):
+        for j in range(16):
+            k = int(fc1[e, j])
+            for i in range(16):
+                at = 2 * (int(maps["fc1_words"][e, j]) + i * row_words)
+                for p in ("gate", "up"):
+                    assert torch.equal(flat[p][at: at + 16 * k], tiles[p][e, i, j, : 16 * k])
+        for i in range(16):
+            k = int(fc2[e, i])
+            for n in range(16):
+                at = 2 * (int(maps["fc2_words"][e, i]) + 8 * k * n)
+                assert torch.equal(flat["down"][at: at + 16 * k], tiles["down"][e, i, n, : 16 * k])
+    w.check_rate_runs({"fc1": 128, "fc2": 64})
+    with pytest.raises(ValueError, match=r"fc2_bits\[0\]: channels 0\.\.127 mix K \[3, 4\]; "
+                                         r"the fused kernel takes one K per 128 channels"):
+        w.check_rate_runs({"fc2": 128})
+    fields = dict(w.tensors())
+    padded = {p: torch.nn.functional.pad(fields[f"{p}_trellis"], (0, 4)) for p in ("gate", "up")}
+    odd = MixedMoEWeights(**{**fields, "gate_trellis": padded["gate"], "up_trellis": padded["up"]})
+    with pytest.raises(ValueError, match="gate_trellis rows hold 1028 int16, not a multiple of 8"):
+        odd.rate_args()
+
+
+def test_mixed_layer_spec_takes_the_rate_set():
+    """A mixed layer plans with bits_set = its rate set (bits = the widest); one K plans the
+    uniform specialization."""
+    from kquant_cute.layer import layer_spec
+
+    w = MixedMoEWeights.random(_bits([[3, 4], [3, 3]]), _bits([[3, 3], [4, 3]]), 256)
+    spec = layer_spec(w, topk=2)
+    assert (spec.bits, spec.bits_set, spec.codebook) == (4, (3, 4), "sqg_e4m3")
+    assert spec.check() is None
+    one = MixedMoEWeights.from_uniform(MoEWeights.random(2, 256, 256, 3, "sqg_e4m3",
+                                                         shared_hidden_vectors=True))
+    assert (layer_spec(one, topk=2).bits, layer_spec(one, topk=2).bits_set) == (3, ())
