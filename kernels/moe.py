@@ -214,6 +214,8 @@ class MoESpec:
         gemm, extra = TrellisGemm, {}
         if self.mma == "wgmma":
             gemm, extra = TrellisWgmma, {"span": self.span}
+            if self.gemm_workers() > 1:
+                extra["workers"] = self.gemm_workers()
         if self.codebook in TABLE_CODEBOOKS:  # persistent grid: SMs x resident CTAs
             extra["ctas_per_sm"] = self.gemm_resident_ctas()
         common = dict(block_m=self.block_m, bits=self.bits, codebook=self.codebook,
@@ -293,13 +295,24 @@ class MoESpec:
         smem_per_sm = self.arch_limits().smem_per_block_optin + SMEM_RESERVED_PER_CTA
         return TrellisGemm.occupancy_target(self.block_m, self.bits, self.stages, smem_per_sm)
 
+    def gemm_workers(self) -> int:
+        """Work-item loops per wgmma GEMM CTA: 2 for mixed rates where two one-warpgroup
+        workers' rings fit beside the state tables (trellis_wgmma: the tables leave room
+        for one CTA per SM), else 1."""
+        if self.mma != "wgmma" or not self.mixed or self.span * self.block_m > 64:
+            return 1
+        limits = self.arch_limits()
+        need = wgmma_smem_bytes(self.block_m, self.bits, self.stages, self.span, self.codebook,
+                                self.bits_set, workers=2)
+        return 2 if limits is not None and need <= limits.smem_per_block_optin else 1
+
     def gemm_resident_ctas(self) -> int:
         """GEMM CTAs per SM that shared memory allows (the persistent grid of a table
         codebook is SMs x this)."""
         smem_per_sm = self.arch_limits().smem_per_block_optin + SMEM_RESERVED_PER_CTA
         if self.mma == "wgmma":
             need = wgmma_smem_bytes(self.block_m, self.bits, self.stages, self.span, self.codebook,
-                                    self.bits_set)
+                                    self.bits_set, self.gemm_workers())
         else:
             need = gemm_smem_bytes(self.block_m, self.bits, self.stages, self.codebook,
                                    self.bits_set)

@@ -36,8 +36,13 @@ Mixed rates (`bits_set`, see `TrellisGemm`): per stage a CTA-uniform branch on t
 picks the K-specialized copy and k steps; each branch waits for its own wgmmas before the
 branches merge (a wgmma in flight across a branch would make ptxas serialize the pipeline),
 which is where the uniform loop waits anyway (the drain at the next stage's top). One state
-table per rate (128 KiB for {3, 4}) leaves shared memory for one CTA per SM, so a mixed CTA
-always runs two warpgroups (64 columns each, 8 warps per SM as two uniform CTAs have).
+table per rate (128 KiB for {3, 4}) leaves shared memory for one CTA per SM. So a mixed CTA
+runs `workers` = 2 independent one-warpgroup workers that share the tables: each has its
+own rings and epilogue tile, its own named barrier, and loops over every second work item
+of the CTA, which is what two uniform CTAs on the SM do (one's prologue and epilogue
+overlap the other's main loop). Where two workers' rings do not fit beside the tables (three
+rates at M=8, spans over 64 rows) one worker runs each work item on two warpgroups (64
+columns each).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from . import ptx
-from .trellis_gemm import (K_STEPS_PER_STAGE, NUM_WARPS, THREADS, TILE_N,
+from .trellis_gemm import (K_STEPS_PER_STAGE, NUM_WARPS, TABLE_CODEBOOKS, THREADS, TILE_N,
                            TrellisGemm, b_stage_bytes, decode_lane_tile, lane_words,
                            persistent_grid, stage_table, table_bytes, table_note)
 
@@ -77,19 +82,41 @@ def default_span(block_m: int) -> int:
     return 2 if block_m == 32 else 1
 
 
-def warpgroups(rows: int, mixed: bool = False) -> int:
-    """Warpgroups per CTA: two (64 columns each) once one would hold > 32 accumulators, and
-    always under mixed rates (module docstring)."""
-    return 2 if rows > 64 or mixed else 1
+def warpgroups(rows: int, mixed: bool = False, workers: int = 1) -> int:
+    """Warpgroups per work item: two (64 columns each) once one would hold > 32
+    accumulators, and for mixed rates with one worker per CTA (module docstring)."""
+    return 2 if rows > 64 or (mixed and workers == 1) else 1
+
+
+def a_region_bytes(rows: int, stages: int) -> int:
+    """The activation ring, reused by the epilogue's [rows, 132] fp32 tile; a multiple of
+    1024 bytes, so a second worker's ring starts on a swizzle atom."""
+    a_region = max(stages * a_stage_bytes(rows), rows * OUT_ROW_FLOATS * 4)
+    return -(-a_region // ROW_GROUP_BYTES) * ROW_GROUP_BYTES
 
 
 def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1,
-               codebook: str | None = None, bits_set: tuple = ()) -> int:
-    """The codebook's state tables, the activation ring (reused by the epilogue's [rows,
-    132] fp32 tile) and the B ring (sized for `bits`, the widest K)."""
+               codebook: str | None = None, bits_set: tuple = (), workers: int = 1) -> int:
+    """The codebook's state tables, then per worker the activation ring (reused by the
+    epilogue's tile) and the B ring (sized for `bits`, the widest K)."""
     rows = span * block_m
     a_region = max(stages * a_stage_bytes(rows), rows * OUT_ROW_FLOATS * 4)
-    return table_bytes(codebook, bits_set) + a_region + stages * b_stage_bytes(bits)
+    if workers > 1:
+        a_region = a_region_bytes(rows, stages)
+    return table_bytes(codebook, bits_set) + workers * (a_region + stages * b_stage_bytes(bits))
+
+
+WORKERS = (1, 2)
+
+
+def check_workers(block_m: int, span: int, codebook: str, workers: int) -> str | None:
+    """None when `workers` one-warpgroup workers per CTA can run this work item."""
+    if workers not in WORKERS:
+        return f"workers {workers!r} not in {WORKERS}"
+    if workers > 1 and (span * block_m > 64 or codebook not in TABLE_CODEBOOKS):
+        return (f"workers {workers} need work items of <= 64 rows (one warpgroup) and a table "
+                f"codebook's persistent grid, not {span * block_m} rows of {codebook!r}")
+    return None
 
 
 def check_span(block_m: int, span: int) -> str | None:
@@ -116,16 +143,16 @@ class TrellisWgmma:
     @staticmethod
     def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                       stages: int, span: int = 1, smem_limit: int | None = None,
-                      bits_set: tuple = (), **gemm_args) -> str | None:
+                      bits_set: tuple = (), workers: int = 1, **gemm_args) -> str | None:
         """None when this geometry compiles to a valid kernel, else the reason: the span,
         the mma.sync GEMM's geometry rules (it owns decode and ring), this kernel's smem."""
-        reason = check_span(block_m, span)
+        reason = check_span(block_m, span) or check_workers(block_m, span, codebook, workers)
         if reason is None:
             reason = TrellisGemm.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim,
                                                bits=bits, codebook=codebook, stages=stages,
                                                bits_set=bits_set, **gemm_args)
         if reason is None and smem_limit is not None:
-            need = smem_bytes(block_m, bits, stages, span, codebook, bits_set)
+            need = smem_bytes(block_m, bits, stages, span, codebook, bits_set, workers)
             if need > smem_limit:
                 reason = (f"shared memory {need:,} B{table_note(codebook, bits_set)} > "
                           f"{smem_limit:,} B per-block limit")
@@ -134,8 +161,8 @@ class TrellisWgmma:
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                  topk: int, a_rows_per_token: bool, stages: int, min_ctas_per_sm: int = 1,
                  span: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
-                 rate_axis: str = "n"):
-        reason = check_span(block_m, span)
+                 rate_axis: str = "n", workers: int = 1):
+        reason = check_span(block_m, span) or check_workers(block_m, span, codebook, workers)
         if reason is not None:
             raise ValueError(reason)
         # The mma.sync GEMM owns the shared parts: validity, trellis ring, decode plan.
@@ -146,21 +173,28 @@ class TrellisWgmma:
         self.block_m = block_m
         self.span = span
         self.rows = span * block_m  # wgmma n: activation rows of one work item
-        self.warpgroups = warpgroups(self.rows, self.g.mixed)
-        self.threads = THREADS * self.warpgroups
+        # Workers: independent work-item loops per CTA (module docstring); `item_threads`
+        # run one work item, `threads` is the CTA.
+        self.workers = workers
+        self.warpgroups = warpgroups(self.rows, self.g.mixed, workers)
+        self.item_threads = THREADS * self.warpgroups
+        self.threads = self.item_threads * workers
         self.num_warps = NUM_WARPS * self.warpgroups
         self.m64_per_wg = 2 // self.warpgroups  # m64 x n accumulator tiles per warpgroup
         self.n_acc = self.rows // 2  # fp32 accumulators per thread per m64 tile
         self.a_stage = a_stage_bytes(self.rows)
         self.a_chunks = self.rows * (STAGE_ROW_BYTES // 16)  # 16-B copies per stage
-        self.a_iters = (self.a_chunks + self.threads - 1) // self.threads
+        self.a_iters = (self.a_chunks + self.item_threads - 1) // self.item_threads
         self.route_regs = (self.rows + 31) // 32  # epilogue route ids per lane
         # wgmma n per work item: the smallest of these >= its real rows (one main-loop copy
         # each), so padding rows past the last 16-row group cost no MMA.
         self.n_variants = tuple(sorted({min(16 * i, self.rows)
                                         for i in range(1, (self.rows + 15) // 16 + 1)}))
         self.a_region = max(stages * self.a_stage, self.rows * OUT_ROW_FLOATS * 4)
-        self.smem_bytes = smem_bytes(block_m, bits, stages, span, codebook, self.g.bits_set)
+        if workers > 1:
+            self.a_region = a_region_bytes(self.rows, stages)
+        self.smem_bytes = smem_bytes(block_m, bits, stages, span, codebook, self.g.bits_set,
+                                     workers)
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
@@ -182,7 +216,7 @@ class TrellisWgmma:
         `buf`."""
         g = self.g
         for i in cutlass.range_constexpr(self.a_iters):
-            q = (tidx + self.threads * i) % self.a_chunks
+            q = (tidx + self.item_threads * i) % self.a_chunks
             row = q // 8
             kc = q % 8
             src = a_gaddr + (rAsrc[i] * g.k_dim + ks * (16 * K_STEPS_PER_STAGE) + kc * 8) * 2
@@ -222,13 +256,21 @@ class TrellisWgmma:
         if cutlass.const_expr(self.g.table):
             sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(table_bytes(self.g.codebook, self.g.bits_set)), 1024)
             tab = sT.iterator.toint()
-        sA = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.a_region), 1024)
-        sB = smem.allocate_tensor(Uint32, cute.make_layout(self.g.stages * self.g.b_stage_words), 128)
+        ring_words = self.g.stages * self.g.b_stage_words
+        sA = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.workers * self.a_region), 1024)
+        sB = smem.allocate_tensor(Uint32, cute.make_layout(self.workers * ring_words), 128)
         a_saddr = sA.iterator.toint()
         b_saddr = sB.iterator.toint()
 
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        cta_tidx, wk = tidx, 0
+        if cutlass.const_expr(self.workers > 1):  # this thread's worker: its own rings
+            wk = tidx // self.item_threads
+            tidx = tidx - wk * self.item_threads
+            a_saddr = a_saddr + wk * self.a_region
+            sB = cute.make_tensor(sB.iterator + wk * ring_words, cute.make_layout(ring_words))
+            b_saddr = sB.iterator.toint()
         warp = tidx // 32
         lane = tidx % 32
         rates = None
@@ -249,13 +291,24 @@ class TrellisWgmma:
         if cutlass.const_expr(self.g.table):
             # Persistent CTA: stage the state table once, then every grid-th work item.
             gdim, _, _ = cute.arch.grid_dim()
-            if bidx < total:
-                stage_table(pTable, tab, tidx, self.threads,
+            first, stride = bidx, gdim
+            if cutlass.const_expr(self.workers > 1):  # worker wk: every workers-th item
+                first, stride = bidx * self.workers + wk, gdim * self.workers
+            busy = bidx < total
+            if cutlass.const_expr(self.workers > 1):
+                busy = bidx * self.workers < total
+            if busy:
+                stage_table(pTable, tab, cta_tidx, self.threads,
                             table_bytes(self.g.codebook, self.g.bits_set))
-            for work in range(bidx, total, gdim):
+                if cutlass.const_expr(self.workers > 1):
+                    # The tables are copied by every worker and read by each: complete and
+                    # visible before the workers part (their barriers are their own).
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.sync_threads()
+            for work in range(first, total, stride):
                 self.work_item(work, groups, pOut, n_routes, a_gaddr, b_gaddr, a_saddr, b_saddr,
                                sB, rAsrc, rRoute, acc, lane_ctx, rates)
-                cute.arch.sync_threads()  # the next item's copies overwrite the epilogue tile
+                self.sync()  # the next item's copies overwrite the epilogue tile
             cute.arch.cp_async_wait_group(0)  # a CTA whose items were all empty: the table
         else:
             work = bidx
@@ -284,16 +337,16 @@ class TrellisWgmma:
         n_real = cutlass.max(cutlass.min(mCounts[e_safe] - j * self.block_m, self.rows), 1)
         base = blk * self.block_m
         for i in cutlass.range_constexpr(self.a_iters):
-            row = ((tidx + self.threads * i) % self.a_chunks) // 8
+            row = ((tidx + self.item_threads * i) % self.a_chunks) // 8
             r = mSorted[base + cutlass.min(row, n_real - 1)]
             a_row = r
             if self.g.a_rows_per_token:
                 a_row = r // self.g.topk
             copy = row < n_real
-            if cutlass.const_expr(self.threads * (i + 1) > self.a_chunks):
+            if cutlass.const_expr(self.item_threads * (i + 1) > self.a_chunks):
                 # 8 rows = 64 chunks for 128 threads: the wrapping threads would repeat
                 # a chunk (two unordered writes of one address), so they copy nothing.
-                copy = copy & (tidx + self.threads * i < self.a_chunks)
+                copy = copy & (tidx + self.item_threads * i < self.a_chunks)
             rAsrc[i] = Int32(cutlass.select_(copy, a_row, -1))
         for i in cutlass.range_constexpr(self.route_regs):
             row = 32 * i + lane
@@ -308,7 +361,7 @@ class TrellisWgmma:
             self.dispatch(0, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr, acc,
                           tidx, warp, widx, q0, tab)
             cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()  # the activation ring becomes the epilogue tile
+            self.sync()  # the activation ring becomes the epilogue tile
             self.store_tile(pOut.toint(), a_saddr, acc, rRoute, nt, warp, lane, n_routes)
 
     @cute.jit
@@ -336,17 +389,17 @@ class TrellisWgmma:
         for s in cutlass.range_constexpr(self.g.stages - 1):
             if s < self.g.k_stages:
                 self.issue_a(s, s, a_gaddr, a_saddr, rAsrc, tidx)
-                self.g.copy_b(s, s, b_gbase, b_saddr, tidx, self.threads)
+                self.g.copy_b(s, s, b_gbase, b_saddr, tidx, self.item_threads)
             cute.arch.cp_async_commit_group()
         for ks in range(self.g.k_stages):
             self.wait_acc(acc, 0, n_acc)  # the previous stage's buffer is about to be refilled
             cute.arch.cp_async_wait_group(self.g.stages - 2)
             ptx.fence_proxy_async_smem()
-            cute.arch.sync_threads()
+            self.sync()
             nxt = ks + self.g.stages - 1
             if nxt < self.g.k_stages:
                 self.issue_a(nxt, nxt % self.g.stages, a_gaddr, a_saddr, rAsrc, tidx)
-                self.g.copy_b(nxt, nxt % self.g.stages, b_gbase, b_saddr, tidx, self.threads)
+                self.g.copy_b(nxt, nxt % self.g.stages, b_gbase, b_saddr, tidx, self.item_threads)
             cute.arch.cp_async_commit_group()
             if cutlass.const_expr(self.g.mixed):
                 K, _ = self.g.stage_rate(ks, b_gbase)
@@ -355,6 +408,16 @@ class TrellisWgmma:
             else:
                 self.mma_steps(sB, ks % self.g.stages, a_saddr, acc, warp, widx, q0, tab, n_acc)
         self.wait_acc(acc, 0, n_acc)
+
+    def sync(self):
+        """The barrier of this thread's work item: the CTA's, or with workers its worker's
+        named barrier (ids 1, 2; 0 is the CTA's)."""
+        if cutlass.const_expr(self.workers > 1):
+            tidx, _, _ = cute.arch.thread_idx()
+            cute.arch.barrier(barrier_id=1 + tidx // self.item_threads,
+                              number_of_threads=self.item_threads)
+        else:
+            cute.arch.sync_threads()
 
     @cute.jit
     def wait_acc(self, acc, pending: cutlass.Constexpr, n_acc: cutlass.Constexpr):
@@ -414,7 +477,7 @@ class TrellisWgmma:
                     route = 8 * j + 2 * c + (e % 2)
                     ptx.st_shared_f32(s_addr + (route * OUT_ROW_FLOATS + col0 + 8 * (e // 2)) * 4,
                                       acc[t, 4 * j + e])
-        cute.arch.sync_threads()
+        self.sync()
         for i in cutlass.range_constexpr(self.rows // self.num_warps):
             reg = (self.num_warps * i) // 32  # rows num_warps*i .. +num_warps-1 share it
             row = warp + self.num_warps * i

@@ -211,28 +211,34 @@ MIXED = dict(codebook="sqg_e4m3", bits=4, bits_set=(3, 4))  # QSRT k3x22_k4x2's 
 @needs_cuobjdump
 def test_mixed_rates_compile_on_sm90_with_a_table_per_rate(cache):
     """k3x22_k4x2 (bits_set (3, 4)) on sm_90a: both GEMM paths compile at the plans' block
-    sizes with no spills; shared memory holds both 64 KiB state tables in front of a B ring
-    sized for K=4, which leaves one CTA per SM, so the wgmma CTA runs two warpgroups; the
-    plan pair for 4,096 tokens keeps M=8 / M=64."""
+    sizes with no spills; shared memory holds both 64 KiB state tables in front of B rings
+    sized for K=4, which leaves one CTA per SM. mma.sync: the uniform K=4 layer's bytes plus
+    one table. wgmma: two one-warpgroup workers with a ring each (256 threads; at M=64 and
+    M=32 x 2 that is the whole 227 KB); three rates at M=8 leave room for one worker only,
+    which runs each work item on two warpgroups. The plan pair for 4,096 tokens keeps
+    M=8 / M=64."""
     from kquant_cute.kernels.trellis_gemm import TABLE_BYTES, b_stage_bytes
 
     limits = arch_limits("sm_90a")
-    for mma, name, blocks in (("wgmma", "TrellisWgmma", (8, 32, 64)),
-                              ("sync", "TrellisGemm", (8, 64))):
-        for m in blocks:
-            spec = DEFAULT_GEOMETRY.replace(block_m=m, arch="sm_90a", mma=mma, **MIXED)
-            verdict = geometry_check(spec, cache)
-            assert verdict.ok, (mma, m, verdict.reason)
-            assert verdict.spills == 0 and verdict.registers <= limits.regs_per_thread_max
-            threads, dynamic = spec.kernel_launches()[name]
-            assert threads == (256 if mma == "wgmma" else 128)
-            uniform = spec.replace(bits_set=())
-            # The uniform K=4 layer's bytes plus one more table: the ring is the widest K's.
-            assert dynamic == uniform.dynamic_smem()[name] + TABLE_BYTES
-            assert dynamic >= 2 * TABLE_BYTES + spec.stages * b_stage_bytes(4)
-            gemms = [k for k in _resources(spec, cache)["kernels"] if k["kernel"] == name]
-            assert len(gemms) == 3 and all(g["shared"] >= dynamic for g in gemms)
-            assert spec.gemm_resident_ctas() == 1
+    cases = [("wgmma", "TrellisWgmma", m, (3, 4), 2) for m in (8, 32, 64)]
+    cases += [("sync", "TrellisGemm", m, (3, 4), 1) for m in (8, 64)]
+    cases += [("wgmma", "TrellisWgmma", 8, (2, 3, 4), 1)]
+    for mma, name, m, rates, workers in cases:
+        spec = DEFAULT_GEOMETRY.replace(block_m=m, arch="sm_90a", mma=mma,
+                                        **dict(MIXED, bits_set=rates))
+        verdict = geometry_check(spec, cache)
+        assert verdict.ok, (mma, m, verdict.reason)
+        assert verdict.spills == 0 and verdict.registers <= limits.regs_per_thread_max
+        assert spec.gemm_workers() == workers
+        threads, dynamic = spec.kernel_launches()[name]
+        assert threads == (256 if mma == "wgmma" else 128)
+        assert dynamic >= len(rates) * TABLE_BYTES + workers * spec.stages * b_stage_bytes(4)
+        if mma == "sync":  # the uniform K=4 layer's bytes plus one table
+            assert dynamic == spec.replace(bits_set=()).dynamic_smem()[name] + TABLE_BYTES
+        gemms = [k for k in _resources(spec, cache)["kernels"] if k["kernel"] == name]
+        assert len(gemms) == 3
+        assert all(dynamic <= g["shared"] <= limits.smem_per_block_optin for g in gemms)
+        assert spec.gemm_resident_ctas() == 1
     base = DEFAULT_GEOMETRY.replace(**MIXED)
     plan = plan_forward(base, capacity=4096, arch="sm_90", env=resolve_env({}), cache=cache)
     assert (plan.decode.spec.block_m, plan.prefill.spec.block_m) == (8, 64)
@@ -264,6 +270,12 @@ def test_mixed_rate_rejections_name_the_reason():
     # Only the GEMMs see the rates: FC1 along its N (output) axis, FC2 along its K.
     subs = {s.role: s.args for s in base.sub_kernels()}
     assert (subs["gemm1"]["rate_axis"], subs["gemm2"]["rate_axis"]) == ("n", "k")
+    assert subs["gemm1"]["workers"] == 2 and base.replace(bits_set=()).gemm_workers() == 1
+    assert base.replace(block_m=64, span=2).gemm_workers() == 1  # 128 rows: two warpgroups
+    from kquant_cute.kernels.trellis_wgmma import TrellisWgmma
+    assert "workers 2 need work items of <= 64 rows" in TrellisWgmma.can_implement(
+        block_m=64, k_dim=256, n_dim=256, bits=4, codebook="sqg_e4m3", stages=4, span=2,
+        bits_set=(3, 4), workers=2)
     assert all("bits_set" not in a for r, a in subs.items() if not r.startswith("gemm"))
 
 
