@@ -34,8 +34,8 @@ rate maps give K and the trellis word index of each 16-wide tile of that axis pe
 consecutive k tiles `k_tile_words` apart; FC2: index of row tile i, its 16-column tiles
 8 K words apart). K is one value per pipeline stage: an FC1 work item's N tile (128
 columns) and an FC2 stage's 4 k tiles (64 rows) each lie in one K (QSRT records are 128
-channels; the layer checks it). Per stage a CTA-uniform branch picks the K-specialized
-copy and decode; the B ring is sized for the widest K (`bits` = max(bits_set)) and every
+channels; the layer checks it). Per stage a branch uniform over the work item's threads
+picks the K-specialized copy and decode; the B ring is sized for the widest K (`bits` = max(bits_set)) and every
 rate's 64 KiB state table is resident, in `bits_set` order. A uniform layer (`bits_set`
 empty) compiles none of this.
 """
@@ -625,7 +625,8 @@ class TrellisGemm:
         return (b_gaddr, mRateBits, mRateWords, row, nt)
 
     def stage_rate(self, ks, rctx):
-        """(K, word index of the stage's first k tile) of stage `ks` (run-time, CTA-uniform).
+        """(K, word index of the stage's first k tile) of stage `ks` (run-time, uniform over
+        the work item's threads).
         FC2: the row tile's index; its N tile's columns start 8 K words per tile later."""
         if cutlass.const_expr(self.rate_axis == "n"):
             _, K, w, k_tile_words, _ = rctx
@@ -636,8 +637,9 @@ class TrellisGemm:
 
     @cute.jit
     def for_rate(self, i: cutlass.Constexpr, K, fn, args):
-        """`fn(k, *args)` for the rate k of `rates[i:]` equal to the run-time K (CTA-uniform:
-        every thread reads the same map entry); the widest rate takes whatever is left."""
+        """`fn(k, *args)` for the rate k of `rates[i:]` equal to the run-time K (uniform: every
+        thread of the work item reads the same map entry); the widest rate takes whatever
+        is left."""
         if cutlass.const_expr(i == len(self.rates) - 1):
             fn(self.rates[i], *args)
         else:

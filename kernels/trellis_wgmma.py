@@ -32,8 +32,8 @@ same wgmma shape per k step); it does not hold between this kernel and mma.sync,
 plans of one layer always share the MMA kind.
 Table codebooks (sqg_e4m3): as in `TrellisGemm`, the 64 KiB state table sits in front of
 the rings, each CTA stages it once and loops over work items (persistent grid).
-Mixed rates (`bits_set`, see `TrellisGemm`): per stage a CTA-uniform branch on the stage's K
-picks the K-specialized copy and k steps; each branch waits for its own wgmmas before the
+Mixed rates (`bits_set`, see `TrellisGemm`): per stage a branch on the stage's K (uniform
+over the work item) picks the K-specialized copy and k steps; each branch waits for its own wgmmas before the
 branches merge (a wgmma in flight across a branch would make ptxas serialize the pipeline),
 which is where the uniform loop waits anyway (the drain at the next stage's top). One state
 table per rate (128 KiB for {3, 4}) leaves shared memory for one CTA per SM. So a mixed CTA
