@@ -33,16 +33,16 @@ plans of one layer always share the MMA kind.
 Table codebooks (sqg_e4m3): as in `TrellisGemm`, the 64 KiB state table sits in front of
 the rings, each CTA stages it once and loops over work items (persistent grid).
 Mixed rates (`bits_set`, see `TrellisGemm`): per stage a branch on the stage's K (uniform
-over the work item) picks the K-specialized copy and k steps; each branch waits for its own wgmmas before the
-branches merge (a wgmma in flight across a branch would make ptxas serialize the pipeline),
-which is where the uniform loop waits anyway (the drain at the next stage's top). One state
-table per rate (128 KiB for {3, 4}) leaves shared memory for one CTA per SM. So a mixed CTA
-runs `workers` = 2 independent one-warpgroup workers that share the tables: each has its
-own rings and epilogue tile, its own named barrier, and loops over every second work item
-of the CTA, which is what two uniform CTAs on the SM do (one's prologue and epilogue
-overlap the other's main loop). Where two workers' rings do not fit beside the tables (three
-rates at M=8, spans over 64 rows) one worker runs each work item on two warpgroups (64
-columns each).
+over the work item) picks the K-specialized copy and k steps; each branch waits for its own
+wgmmas before the branches merge (a wgmma in flight across a branch would make ptxas
+serialize the pipeline), which is where the uniform loop waits anyway (the drain at the
+next stage's top). One state table per rate (128 KiB for {3, 4}) leaves shared memory for
+one CTA per SM. So a mixed CTA runs `workers` = 2 independent one-warpgroup workers that
+share the tables: each has its own rings and epilogue tile, its own named barrier, and
+loops over every second work item of the CTA, which is what two uniform CTAs on the SM do
+(one's prologue and epilogue overlap the other's main loop). Where two workers' rings do
+not fit beside the tables (three rates at M=8, spans over 64 rows) one worker runs each
+work item on two warpgroups (64 columns each).
 """
 
 from __future__ import annotations
@@ -254,7 +254,8 @@ class TrellisWgmma:
         smem = cutlass.memory.SmemAllocator()
         tab = None
         if cutlass.const_expr(self.g.table):
-            sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(table_bytes(self.g.codebook, self.g.bits_set)), 1024)
+            sT = smem.allocate_tensor(
+                cutlass.Uint8, cute.make_layout(table_bytes(self.g.codebook, self.g.bits_set)), 1024)
             tab = sT.iterator.toint()
         ring_words = self.g.stages * self.g.b_stage_words
         sA = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.workers * self.a_region), 1024)
