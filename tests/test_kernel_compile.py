@@ -76,8 +76,9 @@ def test_sm120_rejects_wide_block_that_sm90_accepts(cache):
     assert v90.ok
     assert not v120.ok and "shared memory" in v120.reason and "101,376" in v120.reason
     env = resolve_env({})
-    p90 = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache)
-    p120 = plan_forward(base, capacity=4096, arch="sm_120", env=env, cache=cache)
+    # The seed's pair (banded=False): the fallback walk alone, no band candidates.
+    p90 = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache, banded=False)
+    p120 = plan_forward(base, capacity=4096, arch="sm_120", env=env, cache=cache, banded=False)
     assert p90.prefill.spec.block_m == 64
     assert p120.prefill.spec.block_m == 48
     walk = [(c.block_m, c.ok) for c in p120.route.candidates]
@@ -196,7 +197,7 @@ def test_sqg_e4m3_sm120_plan_falls_back_to_a_block_that_fits(cache):
     tokens (policy M=64) falls back to 32 with both rejections recorded; sm_90 keeps 64."""
     base = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=4)
     env = resolve_env({})
-    p120 = plan_forward(base, capacity=4096, arch="sm_120", env=env, cache=cache)
+    p120 = plan_forward(base, capacity=4096, arch="sm_120", env=env, cache=cache, banded=False)
     walk = [(c.block_m, c.ok) for c in p120.route.candidates]
     assert walk == [(64, False), (48, False), (32, True), (8, True)]
     assert all("state table" in c.verdict.reason for c in p120.route.candidates if not c.ok)
