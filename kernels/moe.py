@@ -284,6 +284,13 @@ class MoESpec:
                 f"{'_wgmma' if self.mma == 'wgmma' else ''}"
                 f"{f'_x{self.span}' if self.span != 1 else ''}_{self.arch}")
 
+    def default_banded(self) -> bool:
+        """The default route plan of this layer: banded (True: above the prefill threshold a
+        call binds the policy's M at its own m) or the seed's pair (False: the capacity's M).
+        Table codebooks keep the pair: their persistent GEMM stages the state table once
+        per CTA and runs measurably faster at the wider M (docs/benchmarks.md, issue 15)."""
+        return self.codebook not in TABLE_CODEBOOKS
+
     def gemm_ctas_per_sm(self) -> int:
         """The GEMM's register target in CTAs per SM (see `occupancy`). Table codebooks:
         the resident CTAs of their persistent grid, whatever `occupancy` says (registers

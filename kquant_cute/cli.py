@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"most tokens per call the plans serve (default {DEFAULT_CAPACITY})")
     p.add_argument("--pair", action="store_true",
                    help="only the seed's plan pair of MoELayer(banded=False) (decode + prefill M); "
-                   "default: the banded plan, also every accepted M between the two")
+                   "default: MoELayer's default plan (banded, also every accepted M between "
+                   "the two, except for sqg_e4m3)")
     p.add_argument("--cache-dir", help="cache directory (overrides KQUANT_COMPILE_CACHE_DIR)")
     p.add_argument("--json", action="store_true",
                    help="print the records (or --list entries) as JSON on stdout")
@@ -416,7 +417,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         results: list[ArchPrewarm] = prewarm_plans(base, archs=archs, capacity=args.capacity,
                                                    env=env, cache=cache, progress=progress,
-                                                   banded=not args.pair)
+                                                   banded=False if args.pair else None)
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
     finally:

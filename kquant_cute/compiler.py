@@ -254,16 +254,18 @@ class ForwardPlan:
 
 
 def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] = None,
-                 cache: Optional[CompileCache] = None, banded: bool = True,
+                 cache: Optional[CompileCache] = None, banded: Optional[bool] = None,
                  observe: Optional[Observer] = None) -> ForwardPlan:
     """Plan `base`'s shape for `arch` (`planners.plan_routes`, with `geometry_check`, which
     compiles through the cache, as the predicate) and attach the compiled entries by M.
     A rejected decode geometry is the plan's `error`, not an exception (see
     `plan_forward`). `observe` sees every cache request before and after. Needs no GPU
     (objects are cross-compiled for `arch`); `env` defaults to the process environment's
-    plan knobs (`planners.resolve_env`)."""
+    plan knobs (`planners.resolve_env`). `banded=None` is the layer's default plan
+    (`MoESpec.default_banded`); True / False ask for the banded plan / the seed's pair."""
     arch = normalize_arch(arch)
     env = resolve_env() if env is None else env
+    banded = base.default_banded() if banded is None else banded
     # The MMA kind resolves per arch, so every plan of the layer shares it (bitwise
     # equality across M); an "auto" span resolves per block size.
     base = base.replace(arch=arch)
@@ -284,10 +286,10 @@ def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] =
 
 
 def plan_forward(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] = None,
-                 cache: Optional[CompileCache] = None, banded: bool = True) -> ForwardPlan:
-    """`compile_plan` for a layer: the decode / prefill specializations (with `banded`, the
-    default, also every accepted size between them; `banded=False` is the seed's plan pair;
-    see `planners.RoutePlan`), compiled through the cache.
+                 cache: Optional[CompileCache] = None, banded: Optional[bool] = None) -> ForwardPlan:
+    """`compile_plan` for a layer: the decode / prefill specializations (with `banded`, also
+    every accepted size between them; `banded=False` is the seed's plan pair; `None`, the
+    default, is `MoESpec.default_banded`; see `planners.RoutePlan`), compiled through the cache.
 
     Raises:
         ValueError: when the decode specialization is not implementable.

@@ -1,8 +1,9 @@
 """Public serving API: plan, bind and run the fused trellis MoE forward on torch tensors.
 
 Owns `MoELayer`: built once per layer shape (weights, top-k, token capacity, dtypes), it
-plans the decode (M = 8) and prefill (policy M with fallback) specializations and, by
-default (`banded`), the sizes between them a call's own m selects, gets them
+plans the decode (M = 8) and prefill (policy M with fallback) specializations and, when
+banded (`MoESpec.default_banded`: every codebook but the table one), the sizes between
+them a call's own m selects, gets them
 from the compile cache, and allocates ONE scratch arena (its route list sized by the plan's
 `RoutePlan.route_slots`, the bound over every token band) plus one output buffer; a call
 binds the M of its token band and launches `RoutePlan.max_blocks(m)` route blocks. `bind(x, topk_ids, topk_weights)` validates every input (dtype, device,
@@ -99,7 +100,7 @@ class MoELayer:
                  occupancy: Optional[int] = None, mma: Optional[str] = None,
                  span: Optional[int] = None,
                  environ=None, cache=None,
-                 banded: bool = True, stream_arenas: bool = False):
+                 banded: Optional[bool] = None, stream_arenas: bool = False):
         # Configuration first: a bad KQUANT_* variable is one clear error here, never a
         # "compile failure" of some specialization later.
         check_environment(os.environ, cache=cache is None, plan_environ=environ)

@@ -248,7 +248,7 @@ def _record(arch: str, plan: ForwardPlan, block_m: int) -> PrewarmRecord:
     )
 
 
-def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv, banded: bool,
+def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv, banded: Optional[bool],
                   cache: CompileCache, counter: _Counter) -> ArchPrewarm:
     spec = base.replace(arch=arch)
     started: dict[int, int] = {}
@@ -298,7 +298,7 @@ def prewarm_plans(
     env: Optional[PlanEnv] = None,
     cache: Optional[CompileCache] = None,
     progress: Optional[ProgressFn] = None,
-    banded: bool = True,
+    banded: Optional[bool] = None,
 ) -> list[ArchPrewarm]:
     """Compile, through ``cache``, every specialization the planner binds or evaluates.
 
@@ -306,8 +306,9 @@ def prewarm_plans(
     duplicates dropped) this runs :func:`kquant_cute.compiler.compile_plan` on ``base``'s
     shape: the prefill fallback walk (each M from the pin / policy choice down to the
     accepted one, each checked by ``geometry_check``), then the decode plan (M=8), then
-    with ``banded`` (the default plan of ``MoELayer``) each size between them;
-    ``banded=False`` prewarms the seed's plan pair (``MoELayer(banded=False)``).
+    when banded each size between them: ``None`` (the default) prewarms ``MoELayer``'s
+    default plan (:meth:`MoESpec.default_banded`), ``True`` / ``False`` the banded plan /
+    the seed's plan pair (``MoELayer(banded=...)``).
 
     ``env`` defaults to :func:`~kquant_cute.planners.resolve_env` of the process
     environment (ValueError naming the variable when invalid); ``cache`` to
@@ -333,7 +334,7 @@ def prewarm(
     env: Optional[PlanEnv] = None,
     cache: Optional[CompileCache] = None,
     progress: Optional[ProgressFn] = None,
-    banded: bool = True,
+    banded: Optional[bool] = None,
 ) -> list[PrewarmRecord]:
     """:func:`prewarm_plans` flattened: one :class:`PrewarmRecord` per specialization.
 

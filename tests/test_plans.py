@@ -496,3 +496,29 @@ def test_int_args_cover_every_int_argument_of_the_entry_point():
     mixed = int_args(spec.replace(codebook="sqg_e4m3", bits_set=(3, 4)), m=5, capacity=64,
                      max_blocks=12, sm_count=132, fc1_row_words=1536)
     assert mixed["fc1_row_words"] == 1536
+
+
+def test_default_plan_is_banded_except_for_table_codebooks(monkeypatch) -> None:
+    """`banded=None` (MoELayer's, plan_forward's and prewarm's default) is the spec's
+    default plan: banded for the ALU codebooks, the seed's pair for sqg_e4m3 (its table
+    GEMM measured faster at the capacity's M); an explicit True / False wins."""
+    from kquant_cute import compiler
+    from kquant_cute.prewarm import DEFAULT_GEOMETRY
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_plan_routes(*args, banded, **kwargs):
+        asked.append(banded)
+        raise Stop
+
+    monkeypatch.setattr(compiler, "plan_routes", fake_plan_routes)
+    mcg = DEFAULT_GEOMETRY.replace(codebook="mcg", bits=4)
+    sqg = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2)
+    assert mcg.default_banded() and not sqg.default_banded()
+    for spec, banded in ((mcg, None), (sqg, None), (sqg, True), (mcg, False)):
+        with pytest.raises(Stop):
+            compiler.plan_forward(spec, capacity=4096, arch="sm_90", env=PlanEnv(), banded=banded)
+    assert asked == [True, False, True, False]
