@@ -3,10 +3,11 @@ fused forward, both GEMM paths, small shapes, cold and warm compile cache.
 
     python3 benchmarks/sanitize.py --out DIR [--jobs 4] [--tools memcheck,racecheck,...]
 
-Runs `python3 benchmarks/sanitize.py --workload CACHE` under each tool: five small layers
+Runs `python3 benchmarks/sanitize.py --workload CACHE` under each tool: seven small layers
 (E=16, H=512, I=256, top-4) whose plans cover TrellisWgmma (M=8; M=32 x 2 spans; M=64 x 2,
-two warpgroups; mcg K=3 and 4; the persistent sqg_e4m3 table GEMM at K=2, coupled),
-TrellisGemm (mma.sync, M=8 and M=64, mcg K=3; sqg_e4m3 K=4 with its smem state table),
+two warpgroups; mcg K=3 and 4; the persistent sqg_e4m3 table GEMM at K=2, coupled; the
+mixed-rate K=3/4 GEMM), TrellisGemm (mma.sync, M=8 and M=64, mcg K=3; sqg_e4m3 K=4 with
+its smem state table; mixed-rate K=3/4 at M=8/32),
 RoutePack, RotateInput / MidActivation / CombineOutput (shared and per-expert vectors,
 with and without an expert map, -1 ids, the QSRT coupled variants), each at a decode and
 a prefill token count, plus the decode-only ceiling kernel (TrellisDecode). "cold": the cache starts empty, so every
@@ -44,6 +45,7 @@ def workload(cache_dir: str) -> None:
 
     from kquant_cute.compile_cache import CompileCache
     from kquant_cute.layer import MoELayer
+    from kquant_cute.mixed import MixedMoEWeights
     from kquant_cute.weights import MoEWeights
 
     cache = CompileCache(cache_dir, frozen=False)
@@ -51,19 +53,28 @@ def workload(cache_dir: str) -> None:
     layers = []
     wgmma = torch.cuda.get_device_capability() == (9, 0)
     cfgs = [dict(mma="sync", bits=3, pin=64, shared=True, emap=False),
-            dict(mma="sync", bits=4, pin=32, shared=True, emap=False, codebook="sqg_e4m3")]
+            dict(mma="sync", bits=4, pin=32, shared=True, emap=False, codebook="sqg_e4m3"),
+            dict(mma="sync", bits=4, pin=32, shared=True, emap=False, mixed=True)]
     if wgmma:
         cfgs += [dict(mma="wgmma", bits=4, pin=32, shared=True, emap=False),  # spans of 2
                  dict(mma="wgmma", bits=3, pin=64, span=2, shared=False, emap=True),
                  dict(mma="wgmma", bits=2, pin=64, shared=True, emap=False,
-                      codebook="sqg_e4m3", coupled=True)]
+                      codebook="sqg_e4m3", coupled=True),
+                 dict(mma="wgmma", bits=4, pin=64, shared=True, emap=False, mixed=True)]
     only = os.environ.get("KQ_SANITIZE_ONLY")  # one config (index), for a quick look
     if only:
         cfgs = [cfgs[int(only)]]
     for i, c in enumerate(cfgs):
-        wts = MoEWeights.random(E, H, I, c["bits"], c.get("codebook", "mcg"),
-                                shared_hidden_vectors=c["shared"],
-                                coupled=c.get("coupled", False), seed=i, device="cuda")
+        if c.get("mixed"):  # sqg_e4m3 at K = 3 / 4 per 128-channel FC1 and 64-row FC2 run
+            k34 = torch.tensor([3, 4], dtype=torch.uint8)
+            fc1 = k34[(torch.arange(E)[:, None] + torch.arange(I // 128)) % 2]
+            fc2 = k34[(torch.arange(E)[:, None] + torch.arange(I // 64) + 1) % 2]
+            wts = MixedMoEWeights.random(fc1.repeat_interleave(8, dim=1),
+                                         fc2.repeat_interleave(4, dim=1), H, seed=i).to("cuda")
+        else:
+            wts = MoEWeights.random(E, H, I, c["bits"], c.get("codebook", "mcg"),
+                                    shared_hidden_vectors=c["shared"],
+                                    coupled=c.get("coupled", False), seed=i, device="cuda")
         n_global = 2 * E if c["emap"] else None
         knobs = {"span": c["span"]} if "span" in c else {}
         layer = MoELayer(wts, topk=4, capacity=256, mma=c["mma"], num_global_experts=n_global,
