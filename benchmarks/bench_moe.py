@@ -1,15 +1,15 @@
 """Time the fused trellis MoE forward on the GPU with CUDA-graph replay.
 
-Prints a table (tokens x route block M, plus the M the plan picks) for the BRIEF's
-Kimi-K3 TP8 geometry (E=896, H=3584, I=384, top-16, K=4 mcg, bf16, SiTU, shared
-hidden-side vectors, balanced random routing). Each cell: median over `--iters` graph
-replays after warm-up, rotating `--sets` input sets. Usage:
+Prints a table (tokens x route block M, plus the M the plan picks) for the Kimi-K3 TP8
+shard of docs/formats.md, "Reference geometry" (E=896, H=3584, I=384, top-16, K=4 mcg,
+bf16, SiTU, shared hidden-side vectors, balanced random routing). Each cell: median over
+`--iters` graph replays after warm-up, rotating `--sets` input sets. Usage:
 
     python benchmarks/bench_moe.py [--tokens 16 128 ...] [--blocks 8 16 32] [--json FILE]
 
-The issue-6 run in one command (K=4 table, K=2 / K=3 at 16 and 1,536 tokens, peer, floors,
-JSON and PNG): python benchmarks/bench_moe.py --peer --iters 30 --extra-bits 2 3
---json k4.json --png k4.png
+The EXL3 table of docs/benchmarks.md in one command (K=4 table, K=2 / K=3 at 16 and 1,536
+tokens, peer, floors, JSON and PNG):
+python benchmarks/bench_moe.py --peer --iters 30 --extra-bits 2 3 --json k4.json --png k4.png
 """
 
 from __future__ import annotations
@@ -145,10 +145,10 @@ def main(argv=None):
     p.add_argument("--blocks", type=int, nargs="+", default=[8, 16, 32, 48, 64])
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--codebook", default="mcg", choices=["mcg", "3inst", "mul1", "sqg_e4m3"],
-                   help="trellis codebook of the random weights (the BRIEF's geometry: mcg)")
+                   help="trellis codebook of the random weights (the reference geometry's: mcg)")
     p.add_argument("--extra-bits", type=int, nargs="*", default=[],
                    help="after the main table, one table per K here at 16 and 1,536 tokens, "
-                        "M = 8 and 32 (the BRIEF's K = 2, 3 rows: --extra-bits 2 3)")
+                        "M = 8 and 32 (the K = 2, 3 rows of docs/benchmarks.md: --extra-bits 2 3)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: the kernel's)")
     p.add_argument("--mma", default=None, choices=["auto", "sync", "wgmma"],

@@ -1,12 +1,12 @@
 """The production QSRT layer against our mcg K=4 layer and the bf16 peer, in one run.
 
-Issue 14's benchmark: the BRIEF's Kimi-K3 TP8 shard (E=896, H=3584, I=384, top-16, bf16
+The reference geometry (docs/formats.md): the Kimi-K3 TP8 shard (E=896, H=3584, I=384, top-16, bf16
 in, SiTU, shared hidden-side vectors) with
 - the production QSRT profile `k2_coupled_h512_h128` (sqg_e4m3 K=2 weights and the coupled
   transforms: H512 on the latent axis, per-expert signed H128 around the activation),
-- the BRIEF's mcg K=4 layer, and
+- the mcg K=4 layer of the same geometry, and
 - the bf16 grouped-GEMM peer (the mcg layer's weights dequantized),
-- issue 18's pair, same shape: the mixed-rate profile `k3x22_k4x2` (sqg_e4m3 records at
+- the mixed-rate pair, same shape: the mixed-rate profile `k3x22_k4x2` (sqg_e4m3 records at
   K=3 and K=4, uncoupled; rates from its placement rule, see `mixed_rate_maps`) and a
   uniform K=3 sqg_e4m3 layer,
 all on the same routing (same tokens and top-k ids for every column), each the default
@@ -44,9 +44,9 @@ MIXED_LAYER = 1  # the MoE layer index the placement rule rotates by
 def mixed_rate_maps(num_experts=E, intermediate=I, layer=MIXED_LAYER):
     """uint8 fc1 / fc2 maps [E, I/16] of a k3x22_k4x2 shard of `intermediate` channels: each
     expert's physical records 0 .. I/128 - 1 at their placement-rule K (`qsrt_mixed`). At
-    the BRIEF's I = 384 that is 3 records, 1 / 9 of them K4 over the experts (the whole
+    the reference geometry's I = 384 that is 3 records, 1 / 9 of them K4 over the experts (the whole
     profile: 1 / 12); the uncoupled loader serves only whole record pairs (TP 1-4, 6, 12),
-    so this slice is the BRIEF shape at the profile's rates, not a loadable TP8 rank."""
+    so this slice is the reference shape at the profile's rates, not a loadable TP8 rank."""
     from kquant_cute import qsrt_mixed as qm
 
     n = intermediate // 128

@@ -2,7 +2,7 @@
 
     python3 benchmarks/overlap_probe.py [--rows 0 16 32 64] [--bits 4]
 
-Times the decode-only kernel (`decode_probe.py`) over every expert of the BRIEF
+Times the decode-only kernel (`decode_probe.py`) over every expert of the reference
 geometry's three projections, once per row count R: decode alone (R = 0), decode plus the
 GEMM's mma.sync count for R rows per decoded tile from register-only A fragments, and the
 same MMAs on raw trellis words with no decode. No activations, no shared-memory A, no

@@ -23,7 +23,7 @@ def _dense_stack(weights, proj: str, dtype=torch.bfloat16) -> torch.Tensor:
 
 
 class Bf16GroupedMoE:
-    """Dense bf16 experts (7.4 GB at the BRIEF geometry) through torch._grouped_mm."""
+    """Dense bf16 experts (7.4 GB at the reference geometry) via torch._grouped_mm."""
 
     def __init__(self, weights, *, topk: int, activation: str = "situ"):
         from kquant_cute.reference import activation_fn

@@ -1,4 +1,5 @@
-"""Per-kernel GPU time of one fused forward (torch.profiler / CUPTI), BRIEF geometry.
+"""Per-kernel GPU time of one fused forward (torch.profiler / CUPTI), reference geometry
+(docs/formats.md).
 
     python benchmarks/profile_moe.py [--tokens 16 1536] [--block-m M]
 

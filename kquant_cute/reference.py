@@ -16,8 +16,8 @@ This module owns:
   with every transform folded in, :func:`coupled_dense_expert`), the test oracle for
   :func:`reference_moe`;
 * :class:`RoutePack` / :func:`route_pack_reference` -- the per-expert route packing of
-  BRIEF section 4 (histogram, counts padded to the route block, prefix sums, packed route ids
-  with a sentinel, expert id per block).
+  docs/formats.md, "Route policy" (histogram, counts padded to the route block, prefix sums,
+  packed route ids with a sentinel, expert id per block).
 
 Weights come from :mod:`kquant_cute.weights` (``MoEWeights``), decoding from
 :mod:`kquant_cute.trellis`. Everything runs on CPU (or any torch device) and is meant for
@@ -486,7 +486,8 @@ def plain_dense_expert(
 
 @dataclass(frozen=True)
 class RoutePack:
-    """Routes grouped by local expert into route blocks of ``block_m`` rows (BRIEF section 4).
+    """Routes grouped by local expert into route blocks of ``block_m`` rows (docs/formats.md,
+    "Route policy").
 
     Route id ``r = token * topk + k``; the sentinel ``num_routes = m * topk`` marks padding.
 

@@ -68,7 +68,7 @@ def test_one_command_runs_the_extra_k_tables(monkeypatch, tmp_path):
                      (3, [16, 1536], [8, 32])]
     result = json.loads(out.read_text())
     assert result["bits"] == 4 and [r["tokens"] for r in result["rows"]] == [16, 4096]
-    assert result["codebook"] == "mcg"  # the BRIEF's codebook unless --codebook says otherwise
+    assert result["codebook"] == "mcg"  # the reference geometry's; --codebook changes it
     assert sorted(result["extra"]) == ["2", "3"]
 
 

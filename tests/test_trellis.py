@@ -1,6 +1,6 @@
-"""Tests for kquant_cute.trellis: every BRIEF check value, plus an independent decoder.
+"""Tests for kquant_cute.trellis: every check value of docs/formats.md, plus an independent decoder.
 
-The independent reference below is written from the BRIEF's wording with plain Python
+The independent reference below is written from docs/formats.md's wording with plain Python
 ints and numpy scalars (no kquant_cute internals): stream bits from little-endian uint32
 words, 16-bit states on the tail-biting ring, the four codebooks, and the lane-fragment
 tile positions.
@@ -191,7 +191,7 @@ def fp16_bits(values: torch.Tensor) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------
-# Constants and BRIEF check values
+# Constants and the check values of docs/formats.md
 # --------------------------------------------------------------------------------------
 
 
@@ -208,7 +208,7 @@ def test_constants():
     assert tc.T12_SHA256 == "cca11fe5744c9c93a34f4217f342fbc0f74ecc8a007c076582424a505fc9da5e"
 
 
-SELF_CHECK = {  # state -> (3INST, MCG, MUL1) fp16 bits, BRIEF section 2
+SELF_CHECK = {  # state -> (3INST, MCG, MUL1) fp16 bits, docs/formats.md "EXL3 codebooks"
     0x0000: (0x3A25, 0x3F60, 0xC2E8),
     0x0001: (0xBB5B, 0x304E, 0x3921),
     0x1234: (0xC066, 0x3E0F, 0xB89E),
@@ -226,7 +226,7 @@ def test_codebook_self_check(col, codebook, bits):
     as_int16 = states.to(torch.int32).where(states < 0x8000, states - 0x10000).to(torch.int16)
     assert fp16_bits(tc.state_to_value(as_int16, codebook, bits)) == want
     ref = {"3inst": ref_3inst, "mcg": ref_mcg, "mul1": ref_mul1}[codebook]
-    assert [ref(int(s)) for s in states] == want  # the reference agrees with the BRIEF
+    assert [ref(int(s)) for s in states] == want  # the reference agrees with the docs
 
 
 @pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
@@ -289,7 +289,7 @@ def test_sqg_lut_matches_reference_on_sampled_states(bits):
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_sqg_state_table_is_the_byte_of_every_state(bits):
-    """The kernels' direct table: byte x = E4M3FN of state x (BRIEF check at state 0, the
+    """The kernels' direct table: byte x = E4M3FN of state x (the docs' check at state 0, the
     independent reference on sampled states, the LUT everywhere)."""
     table = tc.sqg_state_table(bits)
     assert table.dtype == torch.uint8 and table.shape == (65536,)
