@@ -78,6 +78,24 @@ def apply_activation(g, u, activation: str):
         SITU_LBETA * cute.math.tanh(u * (1.0 / SITU_LBETA)))
 
 
+def warp_item():
+    """(lane, item) of this thread: its lane and its warp's work item (WARPS warps, one item
+    each, per CTA of the one-dimensional grid every stage launches)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    return tidx % 32, bidx * WARPS + tidx // 32
+
+
+def block512(item, blocks512: int, lane):
+    """(row, base, regs) of a coupled stage's work item, one (row, 512-block) per warp: the
+    row, the lane's first element of the block in the row (chunk c adds c * CHUNK) and four
+    fresh fp32 [4] register tensors, one per 128-chunk of the block."""
+    row = item // blocks512
+    base = (item - row * blocks512) * (4 * CHUNK) + 4 * lane
+    regs = tuple(cute.make_rmem_tensor((4,), Float32) for _ in range(4))
+    return row, base, regs
+
+
 def _check_chunks(name: str, dim: int) -> str | None:
     if dim % CHUNK:
         return f"{name} {dim} is not a multiple of {CHUNK} (one warp per {CHUNK}-wide chunk)"
@@ -127,18 +145,10 @@ class RotateInput:
         """One warp per (row, 512-block): H128 of each 128-chunk, the H4 mix across the four,
         * suh, H128 again; only Xg is written."""
         mX, mSuhG, mXg = ptx.flat_tensor(pX), ptx.flat_tensor(pSuhG), ptx.flat_tensor(pXg)
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        item = bidx * WARPS + tidx // 32
+        lane, item = warp_item()
         if item < num_rows * self.blocks512:
-            row = item // self.blocks512
-            base = (item - row * self.blocks512) * (4 * CHUNK) + 4 * lane
-            v0 = cute.make_rmem_tensor((4,), Float32)
-            v1 = cute.make_rmem_tensor((4,), Float32)
-            v2 = cute.make_rmem_tensor((4,), Float32)
-            v3 = cute.make_rmem_tensor((4,), Float32)
-            vs = (v0, v1, v2, v3)
+            row, base, vs = block512(item, self.blocks512, lane)
+            v0, v1, v2, v3 = vs
             for c in cutlass.range_constexpr(4):
                 for j in cutlass.range_constexpr(4):
                     vs[c][j] = mX[row * self.hidden + base + c * CHUNK + j].to(Float32)
@@ -155,10 +165,7 @@ class RotateInput:
     def kernel(self, pX, pSuhG, pSuhU, pIds, pMap, pXg, pXu, num_rows: Int32):
         mX, mSuhG, mSuhU = ptx.flat_tensor(pX), ptx.flat_tensor(pSuhG), ptx.flat_tensor(pSuhU)
         mIds, mMap, mXg, mXu = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap), ptx.flat_tensor(pXg), ptx.flat_tensor(pXu)
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        item = bidx * WARPS + tidx // 32
+        lane, item = warp_item()
         if item < num_rows * self.chunks:
             row = item // self.chunks
             col = (item - row * self.chunks) * CHUNK + 4 * lane
@@ -238,10 +245,7 @@ class MidActivation:
         mSvhG, mSvhU, mSuhD = ptx.flat_tensor(pSvhG), ptx.flat_tensor(pSvhU), ptx.flat_tensor(pSuhD)
         mPre, mPost = ptx.flat_tensor(pPre), ptx.flat_tensor(pPost)
         mIds, mMap = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        item = bidx * WARPS + tidx // 32
+        lane, item = warp_item()
         if item < n_routes * self.chunks:
             r = item // self.chunks
             c = item - r * self.chunks
@@ -284,10 +288,7 @@ class MidActivation:
         mG, mU, mA2 = ptx.flat_tensor(pG), ptx.flat_tensor(pU), ptx.flat_tensor(pA2)
         mSvhG, mSvhU, mSuhD = ptx.flat_tensor(pSvhG), ptx.flat_tensor(pSvhU), ptx.flat_tensor(pSuhD)
         mIds, mMap = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        item = bidx * WARPS + tidx // 32
+        lane, item = warp_item()
         if item < n_routes * self.chunks:
             r = item // self.chunks
             col = (item - r * self.chunks) * CHUNK + 4 * lane
@@ -357,18 +358,10 @@ class CombineOutput:
         H4 mix across the four."""
         mY, mSvh, mIds, mMap, mW, mOut = (ptx.flat_tensor(pY), ptx.flat_tensor(pSvhD), ptx.flat_tensor(pIds), ptx.flat_tensor(pMap),
                                           ptx.flat_tensor(pW), ptx.flat_tensor(pOut))
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        item = bidx * WARPS + tidx // 32
+        lane, item = warp_item()
         if item < m * self.blocks512:
-            t = item // self.blocks512
-            base = (item - t * self.blocks512) * (4 * CHUNK) + 4 * lane
-            a0 = cute.make_rmem_tensor((4,), Float32)
-            a1 = cute.make_rmem_tensor((4,), Float32)
-            a2 = cute.make_rmem_tensor((4,), Float32)
-            a3 = cute.make_rmem_tensor((4,), Float32)
-            accs = (a0, a1, a2, a3)
+            t, base, accs = block512(item, self.blocks512, lane)
+            a0, a1, a2, a3 = accs
             for c in cutlass.range_constexpr(4):
                 accs[c].fill(0.0)
             for k in cutlass.range_constexpr(self.topk):
@@ -393,10 +386,7 @@ class CombineOutput:
     def kernel(self, pY, pSvhD, pIds, pMap, pW, pOut, m: Int32):
         mY, mSvh, mIds, mMap, mW, mOut = (ptx.flat_tensor(pY), ptx.flat_tensor(pSvhD), ptx.flat_tensor(pIds), ptx.flat_tensor(pMap),
                                           ptx.flat_tensor(pW), ptx.flat_tensor(pOut))
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        item = bidx * WARPS + tidx // 32
+        lane, item = warp_item()
         if item < m * self.chunks:
             t = item // self.chunks
             col = (item - t * self.chunks) * CHUNK + 4 * lane
