@@ -52,9 +52,18 @@ class RecordingCheck:
 # ---------------------------------------------------------------------------------------
 
 
-def test_env_names():
-    assert ENV_PREFILL_BLOCK_M == "KQUANT_W4A16_PREFILL_BLOCK_M"
-    assert ENV_PREFILL_MIN_M == "KQUANT_W4A16_PREFILL_MIN_M"
+def test_env_names_are_the_documented_and_checked_ones():
+    """The variables resolve_env reads are the ones the README documents and the
+    environment check validates at startup."""
+    from pathlib import Path
+
+    from kquant_cute.environment import check_environment
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for var in (ENV_PREFILL_BLOCK_M, ENV_PREFILL_MIN_M):
+        assert var.startswith("KQUANT_") and f"`{var}`" in readme
+        with pytest.raises(ValueError, match=var):
+            check_environment({var: "abc"}, cache=False)
 
 
 def test_env_defaults():
@@ -355,41 +364,32 @@ def test_policy_runs_partition_the_band():
                 assert select_route_block_size_m(b + 1, 8, 64) != size
 
 
-# The computation the plan replaced, written out as it was (planners.plans.plan_pair_layout
-# and compiler.ForwardPlan before one plan owned the bands): the M a call binds, its grid
-# bound, the scratch route list and the sizes compiled.
-def _old_plan(capacity, topk, experts, env, rejected, banded):
-    calls = []
+GEOMETRIES = ((8192, 16, 896), (1536, 16, 896), (512, 2, 8), (3000, 8, 64), (300, 4, 128),
+              (256, 16, 896))
+REJECTIONS = ((), (64,), (64, 48), (48,), (32,), (16, 32, 48, 64), (16, 32, 48))
 
-    def ok(m):
-        calls.append(m)
-        return m not in rejected
 
-    prefill = None
-    if not env.prefill_disabled and capacity > env.prefill_min_m:
-        top = env.pinned_block_m or select_route_block_size_m(capacity, topk, experts)
-        prefill = next((s for s in sorted(ROUTE_BLOCK_SIZES, reverse=True) if s <= top and ok(s)), None)
-        prefill = None if prefill == 8 else prefill
-    ok(8)
-    bands = {}
-    if banded and prefill is not None and env.pinned_block_m is None:  # a pin binds alone
-        bands = {s: s for s in ROUTE_BLOCK_SIZES if 8 < s < prefill and ok(s)}
-        if bands:
-            bands[prefill] = prefill
-
-    def block_m(m):
-        if prefill is None or not (m > env.prefill_min_m and m > 8):
-            return 8
-        if not bands:
-            return prefill
-        want = select_route_block_size_m(m, topk, experts)
-        fits = [b for b in bands if b <= want]
-        return max(fits) if fits else 8
-
-    specs = {8, *bands} | ({prefill} if prefill else set())
-    slots = max(padded_route_slots(capacity * topk, experts, s) for s in specs)
-    blocks = lambda m: max_route_blocks(m * topk, experts, block_m(m))  # noqa: E731
-    return block_m, blocks, slots, list(dict.fromkeys(calls)), tuple(sorted(specs))
+def test_banded_plan_hand_computed():
+    """3,000 tokens, top-8, 64 experts: avg = m / 8 routes per expert, so the policy picks
+    M=8 up to m=57, 16 up to 115, 32 up to 230, 48 up to 345, then 64 (0.9 * s * 8 bounds).
+    Above the threshold (256) the calls bind 48 to m=345 and 64 beyond."""
+    check = RecordingCheck({})
+    plan = plan_routes(3000, 8, 64, PlanEnv(), check)
+    assert check.calls == [64, 8, 16, 32, 48]
+    assert [(b.lo, b.hi, b.block_m, b.role) for b in plan.bands] == [
+        (1, 256, 8, "decode"), (257, 345, 48, "band"), (346, 3000, 64, "prefill")]
+    assert plan.route_slots == 3000 * 8 + 64 * 63 == 28032
+    assert plan.max_blocks(3000) == 28032 // 64 == 438
+    assert plan.max_blocks(300) == (300 * 8 + 64 * 47) // 48 == 112
+    assert plan.max_blocks(10) == (80 + 64 * 7) // 8 == 66  # 80 routes, <= 64 partial blocks
+    # M=48 rejected: its band falls to the next narrower accepted size, 32.
+    plan = plan_routes(3000, 8, 64, PlanEnv(), RecordingCheck({48: REGS_48}))
+    assert [(b.lo, b.hi, b.block_m) for b in plan.bands] == [(1, 256, 8), (257, 345, 32),
+                                                             (346, 3000, 64)]
+    # The seed's pair: 64 from the threshold up.
+    plan = plan_routes(3000, 8, 64, PlanEnv(), accept_all, banded=False)
+    assert [(b.lo, b.hi, b.block_m) for b in plan.bands] == [(1, 256, 8), (257, 3000, 64)]
+    assert plan.block_sizes == (8, 64)
 
 
 @pytest.mark.parametrize("banded", [False, True])
@@ -399,30 +399,57 @@ def _old_plan(capacity, topk, experts, env, rejected, banded):
     {ENV_PREFILL_BLOCK_M: "64"}, {ENV_PREFILL_BLOCK_M: "8"},
     {ENV_PREFILL_BLOCK_M: "64", ENV_PREFILL_MIN_M: "16"},
 ], ids=lambda e: ",".join(f"{k[13:]}={v}" for k, v in e.items()) or "default")
-def test_plan_numbers_equal_the_old_computation(environ, banded):
-    """For several geometries, plan knobs (pins by KQUANT_W4A16_PREFILL_BLOCK_M, 0, the
-    threshold), rejections and banded plans, the plan binds the same M for every m, launches
-    the same grid, asks the check the same questions and compiles the same sizes as the
-    computation it replaced; the scratch route list is the same, except (banded only) where
-    the widest compiled size binds for no m: then it is the bound of the widest band."""
+def test_plan_properties(environ, banded):
+    """For several geometries, plan knobs and rejections, what any correct plan satisfies:
+    each size is asked about once and within the bound; only accepted sizes are compiled and
+    bound; the bands cover 1..capacity in order with M growing; the decode M binds up to the
+    threshold; the prefill M is the widest accepted size the policy (or pin) allows at
+    capacity; a call binds the widest accepted size its own policy choice allows (banded)
+    or the prefill M (pair, pin); its grid and the arena's route list bound its packing."""
     env = resolve_env(environ)
-    for capacity, topk, experts in ((8192, 16, 896), (1536, 16, 896), (512, 2, 8),
-                                    (3000, 8, 64), (300, 4, 128), (256, 16, 896)):
-        for rejected in ((), (64,), (64, 48), (48,), (32,), (16, 32, 48, 64), (16, 32, 48)):
-            block_m, blocks, slots, calls, specs = _old_plan(capacity, topk, experts, env,
-                                                             rejected, banded)
+    for capacity, topk, experts in GEOMETRIES:
+        for rejected in REJECTIONS:
+            what = (capacity, topk, experts, rejected)
             check = RecordingCheck({m: "no" for m in rejected})
             plan = plan_routes(capacity, topk, experts, env, check, banded=banded)
-            what = (capacity, topk, experts, rejected)
-            assert check.calls == calls, what
-            assert plan.block_sizes == specs, what
-            for m in range(1, capacity + 1):
-                assert plan.band_for(m).block_m == block_m(m), (what, m)
-                assert plan.max_blocks(m) == blocks(m), (what, m)
-            if plan.route_slots != slots:
-                assert banded and specs[-1] not in {b.block_m for b in plan.bands}, what
-                assert plan.route_slots == max(b.route_slots for b in plan.bands) < slots
+            # The questions.
+            assert len(check.calls) == len(set(check.calls)), what
+            assert set(check.calls) <= set(ROUTE_BLOCK_SIZES) and 8 in check.calls, what
             assert len(check.calls) <= candidate_bound(capacity, topk, experts, env), what
+            assert {c.block_m for c in plan.candidates} == set(check.calls), what
+            # Accepted, compiled, bound.
+            accepted = {m for m in check.calls if m not in rejected}
+            assert set(plan.block_sizes) <= accepted | {8}, what
+            bound = {b.block_m for b in plan.bands}
+            assert bound <= set(plan.block_sizes), what
+            assert plan.error is None or (8 in rejected and plan.error.endswith("no")), what
+            # The prefill M.
+            wants_prefill = not env.prefill_disabled and capacity > env.prefill_min_m
+            top = env.pinned_block_m or select_route_block_size_m(capacity, topk, experts)
+            allowed = [s for s in accepted if s <= top]
+            expect = max(allowed) if wants_prefill and allowed else None
+            assert plan.prefill_m == (None if expect == 8 else expect), what
+            # The bands.
+            assert plan.bands[0].lo == 1 and plan.bands[-1].hi == capacity, what
+            for a, b in zip(plan.bands, plan.bands[1:]):
+                assert b.lo == a.hi + 1 and b.block_m > a.block_m, what
+            if not banded or env.pinned_block_m is not None:
+                assert len(plan.bands) <= 2, what
+            for m in sorted({1, 8, 9, capacity, env.prefill_min_m, env.prefill_min_m + 1,
+                             *range(1, capacity + 1, 97)}):
+                if m > capacity:
+                    continue
+                got = plan.band_for(m).block_m
+                if plan.prefill_m is None or m <= env.prefill_min_m:
+                    assert got == 8, (what, m)
+                elif len(plan.bands) <= 2:
+                    assert got == plan.prefill_m, (what, m)
+                else:
+                    policy = select_route_block_size_m(m, topk, experts)
+                    assert got == max([s for s in plan.block_sizes if s <= policy] or [8]), (what, m)
+                assert plan.max_blocks(m) == max_route_blocks(m * topk, experts, got), (what, m)
+                assert plan.route_slots >= padded_route_slots(m * topk, experts, got), (what, m)
+            assert plan.route_slots == max(b.route_slots for b in plan.bands), what
 
 
 def test_candidate_bound():
@@ -466,36 +493,6 @@ def test_layer_scratch_is_sized_by_the_plan(tmp_path) -> None:
     assert {a.name for a in ARGS if a.kind == "scratch"} == set(both.names)
     # The cache's answer to every request planning made is kept, by M.
     assert {m: o.result.status for m, o in plan.outcomes.items()} == {64: "compiled", 8: "compiled"}
-
-
-def test_entry_point_takes_the_launch_contract_in_order():
-    """MoEForward's arguments are ARGS in order, then the stream: the layer binds by name and
-    passes them positionally (the rate maps sit between the table and the scratch)."""
-    import inspect
-
-    from kquant_cute.kernels.launch import ARGS, RATE_ARGS
-    from kquant_cute.kernels.moe import MoEForward
-
-    params = list(inspect.signature(MoEForward.__call__).parameters)
-    assert params[1:] == [a.name for a in ARGS] + ["stream"]
-    assert RATE_ARGS == ("fc1_bits", "fc1_words", "fc2_bits", "fc2_words")
-
-
-def test_int_args_cover_every_int_argument_of_the_entry_point():
-    """int_args gives exactly the entry point's Int32 arguments (a missing or stale one fails
-    only at launch on a GPU otherwise)."""
-    from kquant_cute.kernels.launch import ARGS, int_args
-    from kquant_cute.kernels.moe import MoESpec
-
-    spec = MoESpec(num_experts=8, hidden=256, intermediate=256, topk=2, bits=4, codebook="mcg",
-                   block_m=8, shared_hidden_vectors=True)
-    got = int_args(spec, m=5, capacity=64, max_blocks=12, sm_count=132)
-    assert list(got) == [a.name for a in ARGS if a.kind == "int"]
-    assert got == {"m": 5, "max_blocks": 12, "rows_cap": 64, "routes_cap": 128, "sm_count": 132,
-                   "fc1_row_words": 0}  # a uniform layer has no rate maps
-    mixed = int_args(spec.replace(codebook="sqg_e4m3", bits_set=(3, 4)), m=5, capacity=64,
-                     max_blocks=12, sm_count=132, fc1_row_words=1536)
-    assert mixed["fc1_row_words"] == 1536
 
 
 def test_default_plan_is_banded_except_for_table_codebooks(monkeypatch) -> None:

@@ -1,5 +1,5 @@
 """Tests for planners.policy (route-size policy, reachable sizes, padded route slots) and
-planners.geometry (per-SM table, arch names, check_resources)."""
+planners.geometry (check_resources, verdicts)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,13 @@ from fractions import Fraction
 import pytest
 
 from kquant_cute.planners import (
-    ARCH_TABLE,
+    DECODE_BLOCK_M,
     FILL_TARGET,
     ROUTE_BLOCK_SIZES,
-    ArchLimits,
     GeometryVerdict,
     arch_limits,
     check_resources,
-    known_archs,
     max_route_blocks,
-    normalize_arch,
     padded_route_slots,
     route_block_sizes_for_capacity,
     select_route_block_size_m,
@@ -35,16 +32,27 @@ from kquant_cute.planners.geometry import geometry_verdict
 
 
 def _brute_force_policy(m: int, topk: int, num_experts: int) -> int:
-    """The policy of docs/formats.md ("Route policy") in exact rational arithmetic."""
+    """The policy of docs/formats.md ("Route policy") in exact rational arithmetic: the
+    narrowest size s with avg < FILL_TARGET * s (avg = routes per expert), else the widest."""
     avg = Fraction(m * topk, num_experts)
-    fill = Fraction(9, 10)
+    fill = Fraction(FILL_TARGET).limit_denominator(1000)
     candidates = [s for s in ROUTE_BLOCK_SIZES if avg < fill * s]
     return min(candidates) if candidates else max(ROUTE_BLOCK_SIZES)
 
 
-def test_constants():
-    assert ROUTE_BLOCK_SIZES == (8, 16, 32, 48, 64)
-    assert FILL_TARGET == 0.9
+def test_block_sizes_and_fill_target_shape_the_choice():
+    """The sizes ascend from the decode M; the policy picks the narrowest size whose blocks
+    the average expert fills below FILL_TARGET, so at avg = FILL_TARGET * s (just reached)
+    it moves past s, and one route below that it keeps s."""
+    assert list(ROUTE_BLOCK_SIZES) == sorted(set(ROUTE_BLOCK_SIZES))
+    assert ROUTE_BLOCK_SIZES[0] == DECODE_BLOCK_M and 0 < FILL_TARGET < 1
+    experts, topk = 1000, 1
+    for i, s in enumerate(ROUTE_BLOCK_SIZES[:-1]):
+        at = round(FILL_TARGET * s * experts)  # routes with avg == FILL_TARGET * s
+        assert at == FILL_TARGET * s * experts
+        assert select_route_block_size_m(at, topk, experts) == ROUTE_BLOCK_SIZES[i + 1]
+        assert select_route_block_size_m(at - 1, topk, experts) == s
+    assert select_route_block_size_m(10**6, topk, experts) == ROUTE_BLOCK_SIZES[-1]
 
 
 @pytest.mark.parametrize(
@@ -190,53 +198,8 @@ def test_padded_slots_rejects_bad_inputs(args):
 
 
 # ---------------------------------------------------------------------------------------
-# geometry: arch table, names, check_resources
+# geometry: check_resources (the table and its lookups: tests/test_arch.py)
 # ---------------------------------------------------------------------------------------
-
-
-def test_arch_table_numbers():
-    assert arch_limits("sm_80").smem_per_block_optin == 166_912
-    for name in ("sm_86", "sm_89", "sm_120"):
-        assert arch_limits(name).smem_per_block_optin == 101_376
-    for name in ("sm_90", "sm_100"):
-        assert arch_limits(name).smem_per_block_optin == 232_448
-    for lim in ARCH_TABLE.values():
-        assert isinstance(lim, ArchLimits)
-        assert lim.regs_per_sm == 65_536
-        assert lim.regs_per_thread_max == 255
-        assert lim.max_threads_per_block == 1024
-        assert "mma.sync" in lim.mma_kinds
-    assert "wgmma" in arch_limits(90).mma_kinds
-    assert "tcgen05" in arch_limits(100).mma_kinds
-    assert "wgmma" not in arch_limits(120).mma_kinds
-    assert known_archs() == ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
-
-
-@pytest.mark.parametrize(
-    "spelling, name",
-    [("sm_90", "sm_90"), ("sm_90a", "sm_90"), (90, "sm_90"), ("90", "sm_90"), ("sm90", "sm_90"),
-     ((9, 0), "sm_90"), ("120", "sm_120"), ("sm_120a", "sm_120"), (" SM_100A ", "sm_100"),
-     ("sm_100f", "sm_100"), (80, "sm_80"), ((8, 6), "sm_86"), ("sm_89", "sm_89")],
-)
-def test_arch_lookup_spellings(spelling, name):
-    assert arch_limits(spelling).name == name
-
-
-@pytest.mark.parametrize(
-    "arch, target",
-    [("sm_90", "sm_90a"), (90, "sm_90a"), ("sm_90a", "sm_90a"), ("sm_100", "sm_100a"),
-     ("120", "sm_120a"), ("sm_80", "sm_80"), ("sm_86", "sm_86"), (89, "sm_89")],
-)
-def test_normalize_arch(arch, target):
-    assert normalize_arch(arch) == target
-
-
-@pytest.mark.parametrize("bad", ["sm_75", 75, "sm_", "hopper", "", None, 9.0, True, (9,), (9, 0, 1)])
-def test_unknown_arch_lists_known(bad):
-    with pytest.raises(ValueError) as info:
-        arch_limits(bad)
-    for name in known_archs():
-        assert name in str(info.value)
 
 
 def test_check_resources_accepts_b12x_sm120_estimates():
