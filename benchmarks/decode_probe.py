@@ -4,7 +4,7 @@ Owns `TrellisDecode`, its cross-compile `compile_decode` and its host model
 `reference_checksum`; used by `peers.DecodeCeiling`, `overlap_probe.py` and
 `decode_sass.py`, never by the shipped forward. For every listed expert and 128-column N tile of one projection, a
 CTA streams the expert's trellis words through the same cp.async ring as `TrellisGemm`
-(`issue_b`) and decodes every weight with the same `decode_lane_tile` into the same half2
+(`BRing.issue_b`) and decodes every weight with the same `decode_lane_tile` into the same half2
 B registers. Instead of feeding mma.sync it folds them with packed fp16 adds (FMA pipe)
 into 4 registers per lane and writes their XOR, so no decode is dead code. No A operand,
 no MMA, no output tile: its time is what the GEMM would take if decoding the touched
@@ -26,9 +26,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
 from kquant_cute.kernels import ptx
-from kquant_cute.kernels.trellis_gemm import (DEFAULT_STAGES, K_STEPS_PER_STAGE, TABLE_BYTES,
-                                              THREADS, TrellisGemm, b_stage_bytes, lane_words,
-                                              persistent_grid, stage_table, table_bytes)
+from kquant_cute.kernels.bring import DEFAULT_STAGES, K_STEPS_PER_STAGE, b_stage_bytes
+from kquant_cute.kernels.decode import (TABLE_BYTES, lane_words, persistent_grid, stage_table,
+                                        table_bytes)
+from kquant_cute.kernels.trellis_gemm import THREADS, TrellisGemm
 
 
 class TrellisDecode:
@@ -91,7 +92,7 @@ class TrellisDecode:
         if cutlass.const_expr(self.gemm.table):
             sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(TABLE_BYTES), 128)
             tab = sT.iterator.toint()
-        sB = smem.allocate_tensor(Uint32, cute.make_layout(self.gemm.stages * self.gemm.b_stage_words), 128)
+        sB = smem.allocate_tensor(Uint32, cute.make_layout(self.gemm.stages * self.gemm.ring.b_stage_words), 128)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         if cutlass.const_expr(self.gemm.table):
@@ -112,7 +113,7 @@ class TrellisDecode:
         bidx = work
         expert = mExperts[bidx // self.gemm.n_tiles]
         nt = bidx % self.gemm.n_tiles
-        b_gbase = pB.toint() + self.gemm.b_tile_base(expert, nt)
+        b_gbase = pB.toint() + self.gemm.ring.b_tile_base(expert, nt)
         rSum = cute.make_rmem_tensor((4,), Uint32)
         rSum.fill(0)
         acc = cute.make_rmem_tensor((max(self.m_tiles, 1), 2, 4), Float32)
@@ -121,14 +122,14 @@ class TrellisDecode:
         # The GEMM's ring with B only (TrellisGemm.kernel issues A in the same slots).
         for s in cutlass.range_constexpr(self.gemm.stages - 1):
             if s < self.gemm.k_stages:
-                self.gemm.issue_b(s, s, b_gbase, b_saddr, tidx)
+                self.gemm.ring.issue_b(s, s, b_gbase, b_saddr, tidx, THREADS)
             cute.arch.cp_async_commit_group()
         for ks in range(self.gemm.k_stages):
             cute.arch.cp_async_wait_group(self.gemm.stages - 2)
             cute.arch.sync_threads()
             nxt = ks + self.gemm.stages - 1
             if nxt < self.gemm.k_stages:
-                self.gemm.issue_b(nxt, nxt % self.gemm.stages, b_gbase, b_saddr, tidx)
+                self.gemm.ring.issue_b(nxt, nxt % self.gemm.stages, b_gbase, b_saddr, tidx, THREADS)
             cute.arch.cp_async_commit_group()
             buf = ks % self.gemm.stages
             for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):

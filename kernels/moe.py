@@ -45,9 +45,10 @@ from .arch import arch_limits, mma_archs
 from .launch import ARG_NAMES, ROUTE_BLOCK_SIZES  # noqa: F401 - ARG_NAMES: the entry point's order
 from .rotate import CombineOutput, MidActivation, RotateInput
 from .route_pack import RoutePack
-from .trellis_gemm import (DEFAULT_STAGES, K_STEPS_PER_STAGE, MAX_CTAS_PER_SM,
-                           SMEM_RESERVED_PER_CTA, TABLE_CODEBOOKS, TILE_N, TrellisGemm,
-                           check_rates, smem_bytes as gemm_smem_bytes)
+from .bring import DEFAULT_STAGES, K_STEPS_PER_STAGE, TILE_N, check_rates
+from .decode import TABLE_CODEBOOKS
+from .trellis_gemm import (MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA, TrellisGemm,
+                           smem_bytes as gemm_smem_bytes)
 from .trellis_wgmma import TrellisWgmma, check_span, default_span, smem_bytes as wgmma_smem_bytes
 
 ACT_DTYPES = ("bfloat16", "float16")

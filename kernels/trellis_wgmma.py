@@ -10,8 +10,7 @@ of `block_m` rows x 128-column N tile), computed transposed: out^T = W_hat^T A^T
   activation rows, n = its rows (no padding to 16). Row r of a 64-k stage is 128 bytes at
   r * 128, its 16-byte chunk c stored at chunk c ^ (r % 8), so the 8 threads of a quarter
   warp that copy one row's 128 global bytes hit 8 distinct bank groups. (Unswizzled
-  8 x 16-byte core matrices put all 8 in the same 4 banks, and the activation copies
-  then cost several times more: docs/benchmarks.md, log entry 21.)
+  8 x 16-byte core matrices would put all 8 in the same 4 banks.)
 - Accumulators: two m64 x n fp32 tiles (output columns 0..63 and 64..127), n registers
   per thread (n = the work item's rows; two warpgroups above 64 rows, below).
 Spans (`span` > 1): one work item covers `span` consecutive route blocks of one expert
@@ -31,7 +30,9 @@ Bitwise equality across block sizes and spans holds within this kernel (same k o
 same wgmma shape per k step); it does not hold between this kernel and mma.sync, so the
 plans of one layer always share the MMA kind.
 Table codebooks (sqg_e4m3): as in `TrellisGemm`, the 64 KiB state table sits in front of
-the rings, each CTA stages it once and loops over work items (persistent grid).
+the rings, each CTA stages it once and loops over work items (persistent grid). The B
+ring is `kernels/bring.py`'s `BRing` and the decode `kernels/decode.py`'s, both shared
+with `TrellisGemm`.
 Mixed rates (`bits_set`, see `TrellisGemm`): per stage a branch on the stage's K (uniform
 over the work item) picks the K-specialized copy and k steps; each branch waits for its own
 wgmmas before the branches merge (a wgmma in flight across a branch would make ptxas
@@ -52,9 +53,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from . import ptx
-from .trellis_gemm import (K_STEPS_PER_STAGE, NUM_WARPS, TABLE_CODEBOOKS, THREADS, TILE_N,
-                           TrellisGemm, b_stage_bytes, decode_lane_tile, lane_words,
-                           persistent_grid, stage_table, table_bytes, table_note)
+from .bring import K_STEPS_PER_STAGE, TILE_N, BRing, b_stage_bytes, check_geometry
+from .decode import (TABLE_CODEBOOKS, decode_lane_tile, lane_words, persistent_grid, stage_table,
+                     table_bytes, table_note)
+from .trellis_gemm import NUM_WARPS, THREADS
 
 CORE_ROWS = 8  # rows of a wgmma core matrix (the swizzle period)
 K_STEP_BYTES = 16 * 2  # one 16-wide k step of an fp16 activation row
@@ -74,11 +76,9 @@ def a_stage_bytes(rows: int) -> int:
 
 def default_span(block_m: int) -> int:
     """The span a plan uses when none is pinned: 2 at M=32 (one warpgroup, 64 rows), else 1.
-    Two blocks per work item at M=32 decode each expert's weights half as often and measured
-    faster. Work items of more than 64 rows (two warpgroups, 2-3 CTAs per SM) win where
-    nearly every row is real but lose wherever few rows are, and the plan pair runs its
-    capacity's M=64 from 257 tokens up, so wider blocks keep span 1 (numbers:
-    docs/benchmarks.md, log entries 21-22 and design change 1)."""
+    Two blocks per work item at M=32 decode each expert's weights half as often. Work items
+    of more than 64 rows (two warpgroups, fewer CTAs per SM) pay off only where nearly every
+    row is real, so wider blocks keep span 1 (measurements: docs/benchmarks.md)."""
     return 2 if block_m == 32 else 1
 
 
@@ -145,12 +145,13 @@ class TrellisWgmma:
                       stages: int, span: int = 1, smem_limit: int | None = None,
                       bits_set: tuple = (), workers: int = 1, **gemm_args) -> str | None:
         """None when this geometry compiles to a valid kernel, else the reason: the span,
-        the mma.sync GEMM's geometry rules (it owns decode and ring), this kernel's smem."""
+        the geometry rules every trellis GEMM shares (`bring.check_geometry`), this
+        kernel's smem."""
         reason = check_span(block_m, span) or check_workers(block_m, span, codebook, workers)
         if reason is None:
-            reason = TrellisGemm.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim,
-                                               bits=bits, codebook=codebook, stages=stages,
-                                               bits_set=bits_set, **gemm_args)
+            reason = check_geometry(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
+                                    codebook=codebook, stages=stages, bits_set=bits_set,
+                                    rate_axis=gemm_args.get("rate_axis", "n"))
         if reason is None and smem_limit is not None:
             need = smem_bytes(block_m, bits, stages, span, codebook, bits_set, workers)
             if need > smem_limit:
@@ -162,21 +163,27 @@ class TrellisWgmma:
                  topk: int, a_rows_per_token: bool, stages: int, min_ctas_per_sm: int = 1,
                  span: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
                  rate_axis: str = "n", workers: int = 1):
-        reason = check_span(block_m, span) or check_workers(block_m, span, codebook, workers)
+        reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
+                                    codebook=codebook, stages=stages, span=span,
+                                    bits_set=bits_set, workers=workers, rate_axis=rate_axis)
         if reason is not None:
             raise ValueError(reason)
-        # The mma.sync GEMM owns the shared parts: validity, trellis ring, decode plan.
-        self.g = TrellisGemm(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
-                             codebook=codebook, topk=topk, a_rows_per_token=a_rows_per_token,
-                             stages=stages, min_ctas_per_sm=min_ctas_per_sm,
-                             ctas_per_sm=ctas_per_sm, bits_set=bits_set, rate_axis=rate_axis)
+        # The trellis words' ring (and, for mixed rates, each stage's K), as in TrellisGemm.
+        self.ring = BRing(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
+                          stages=stages, bits_set=bits_set, rate_axis=rate_axis)
+        self.topk = topk
+        self.a_rows_per_token = a_rows_per_token
+        # Register-allocation target (nvvm.minctasm) and, for table codebooks, resident
+        # CTAs per SM of the persistent grid.
+        self.min_ctas_per_sm = min_ctas_per_sm
+        self.ctas_per_sm = ctas_per_sm
         self.block_m = block_m
         self.span = span
         self.rows = span * block_m  # wgmma n: activation rows of one work item
         # Workers: independent work-item loops per CTA (module docstring); `item_threads`
         # run one work item, `threads` is the CTA.
         self.workers = workers
-        self.warpgroups = warpgroups(self.rows, self.g.mixed, workers)
+        self.warpgroups = warpgroups(self.rows, self.ring.mixed, workers)
         self.item_threads = THREADS * self.warpgroups
         self.threads = self.item_threads * workers
         self.num_warps = NUM_WARPS * self.warpgroups
@@ -193,7 +200,7 @@ class TrellisWgmma:
         self.a_region = max(stages * self.a_stage, self.rows * OUT_ROW_FLOATS * 4)
         if workers > 1:
             self.a_region = a_region_bytes(self.rows, stages)
-        self.smem_bytes = smem_bytes(block_m, bits, stages, span, codebook, self.g.bits_set,
+        self.smem_bytes = smem_bytes(block_m, bits, stages, span, codebook, self.ring.bits_set,
                                      workers)
 
     @cute.jit
@@ -202,24 +209,24 @@ class TrellisWgmma:
                  pCounts: cute.Pointer, pOut: cute.Pointer, n_routes: Int32, zero_row: Int32,
                  max_blocks: Int32, pTable: cute.Pointer, sm_count: Int32,
                  pRateBits: cute.Pointer, pRateWords: cute.Pointer, k_tile_words: Int32, stream):
-        grid = max_blocks * self.g.n_tiles
-        if cutlass.const_expr(self.g.table):
-            grid = persistent_grid(max_blocks, self.g.n_tiles, sm_count, self.g.ctas_per_sm)
+        grid = max_blocks * self.ring.n_tiles
+        if cutlass.const_expr(self.ring.table):
+            grid = persistent_grid(max_blocks, self.ring.n_tiles, sm_count, self.ctas_per_sm)
         self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOffsets, pCounts, pOut,
                     n_routes, zero_row, pTable, pRateBits, pRateWords, k_tile_words).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
-            stream=stream, min_blocks_per_mp=self.g.min_ctas_per_sm, preferred_smem_carveout=100)
+            stream=stream, min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
 
     @cute.jit
     def issue_a(self, ks, buf, a_gaddr, a_saddr, rAsrc, tidx):
         """cp.async the work item's real activation rows of stage `ks` into swizzled buffer
         `buf`."""
-        g = self.g
+        ring = self.ring
         for i in cutlass.range_constexpr(self.a_iters):
             q = (tidx + self.item_threads * i) % self.a_chunks
             row = q // 8
             kc = q % 8
-            src = a_gaddr + (rAsrc[i] * g.k_dim + ks * (16 * K_STEPS_PER_STAGE) + kc * 8) * 2
+            src = a_gaddr + (rAsrc[i] * ring.k_dim + ks * (16 * K_STEPS_PER_STAGE) + kc * 8) * 2
             # 128-byte swizzle: the 8 threads of a quarter warp copy one row's 8 chunks
             # (128 contiguous global bytes) to 8 distinct bank groups. (The unswizzled
             # core-matrix order put all 8 in the same 4 banks.)
@@ -231,9 +238,9 @@ class TrellisWgmma:
     def decode_a(self, sB, buf, kk, n16, widx, q0, tab, bits=None):
         """A registers (W_hat^T fragment) of 16x16 tile (k step kk, output tile n16)
         (`bits`: the stage's K, mixed rates only)."""
-        g = self.g
-        words = g.tile_words_at(sB, buf, kk, n16, widx, bits)
-        h = decode_lane_tile(words, q0, g.bits if bits is None else bits, g.codebook, tab)
+        ring = self.ring
+        words = ring.tile_words_at(sB, buf, kk, n16, widx, bits)
+        h = decode_lane_tile(words, q0, ring.bits if bits is None else bits, ring.codebook, tab)
         return h[0], h[2], h[1], h[3]
 
     @cute.kernel
@@ -253,11 +260,11 @@ class TrellisWgmma:
 
         smem = cutlass.memory.SmemAllocator()
         tab = None
-        if cutlass.const_expr(self.g.table):
+        if cutlass.const_expr(self.ring.table):
             sT = smem.allocate_tensor(
-                cutlass.Uint8, cute.make_layout(table_bytes(self.g.codebook, self.g.bits_set)), 1024)
+                cutlass.Uint8, cute.make_layout(table_bytes(self.ring.codebook, self.ring.bits_set)), 1024)
             tab = sT.iterator.toint()
-        ring_words = self.g.stages * self.g.b_stage_words
+        ring_words = self.ring.stages * self.ring.b_stage_words
         sA = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.workers * self.a_region), 1024)
         sB = smem.allocate_tensor(Uint32, cute.make_layout(self.workers * ring_words), 128)
         a_saddr = sA.iterator.toint()
@@ -275,21 +282,21 @@ class TrellisWgmma:
         warp = tidx // 32
         lane = tidx % 32
         rates = None
-        if cutlass.const_expr(self.g.mixed):  # one lane window per rate: {K: (words, q0)}
-            widx, q0 = {k: lane_words(lane, k) for k in self.g.rates}, None
+        if cutlass.const_expr(self.ring.mixed):  # one lane window per rate: {K: (words, q0)}
+            widx, q0 = {k: lane_words(lane, k) for k in self.ring.rates}, None
             rates = (cute.make_tensor(pRateBits, cute.make_layout(big)),
                      cute.make_tensor(pRateWords, cute.make_layout(big)), k_tile_words)
         else:
-            widx, q0 = lane_words(lane, self.g.bits)
+            widx, q0 = lane_words(lane, self.ring.bits)
 
         num_blocks = mNumPadded[0] // self.block_m
-        total = num_blocks * self.g.n_tiles
+        total = num_blocks * self.ring.n_tiles
         rAsrc = cute.make_rmem_tensor((self.a_iters,), Int32)
         rRoute = cute.make_rmem_tensor((self.route_regs,), Int32)
         acc = cute.make_rmem_tensor((self.m64_per_wg, self.n_acc), Float32)
         groups = (mSorted, mBlockExpert, mOffsets, mCounts)
         lane_ctx = (tidx, warp, lane, widx, q0, tab)
-        if cutlass.const_expr(self.g.table):
+        if cutlass.const_expr(self.ring.table):
             # Persistent CTA: stage the state table once, then every grid-th work item.
             gdim, _, _ = cute.arch.grid_dim()
             first, stride = bidx, gdim
@@ -300,7 +307,7 @@ class TrellisWgmma:
                 busy = bidx * self.workers < total
             if busy:
                 stage_table(pTable, tab, cta_tidx, self.threads,
-                            table_bytes(self.g.codebook, self.g.bits_set))
+                            table_bytes(self.ring.codebook, self.ring.bits_set))
                 if cutlass.const_expr(self.workers > 1):
                     # The tables are copied by every worker and read by each: complete and
                     # visible before the workers part (their barriers are their own).
@@ -324,8 +331,8 @@ class TrellisWgmma:
         `rates`: the rate-map tensors and FC1 k-tile stride, mixed rates only)."""
         mSorted, mBlockExpert, mOffsets, mCounts = groups
         tidx, warp, lane, widx, q0, tab = lane_ctx
-        blk = work // self.g.n_tiles
-        nt = work - blk * self.g.n_tiles
+        blk = work // self.ring.n_tiles
+        nt = work - blk * self.ring.n_tiles
         expert = mBlockExpert[blk]
         # A span's leader (block j of its expert, j a multiple of `span`) takes the
         # expert's next `span` blocks; other blocks of the span exit. n_real: the
@@ -341,8 +348,8 @@ class TrellisWgmma:
             row = ((tidx + self.item_threads * i) % self.a_chunks) // 8
             r = mSorted[base + cutlass.min(row, n_real - 1)]
             a_row = r
-            if self.g.a_rows_per_token:
-                a_row = r // self.g.topk
+            if self.a_rows_per_token:
+                a_row = r // self.topk
             copy = row < n_real
             if cutlass.const_expr(self.item_threads * (i + 1) > self.a_chunks):
                 # 8 rows = 64 chunks for 128 threads: the wrapping threads would repeat
@@ -355,10 +362,10 @@ class TrellisWgmma:
             rRoute[i] = Int32(cutlass.select_(row < n_real, r, n_routes))
         if lead:
             acc.fill(0.0)
-            if cutlass.const_expr(self.g.mixed):
-                b_gbase = self.g.rate_context(b_gaddr, *rates, expert, nt)
+            if cutlass.const_expr(self.ring.mixed):
+                b_gbase = self.ring.rate_context(b_gaddr, *rates, expert, nt)
             else:
-                b_gbase = b_gaddr + self.g.b_tile_base(expert, nt)
+                b_gbase = b_gaddr + self.ring.b_tile_base(expert, nt)
             self.dispatch(0, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr, acc,
                           tidx, warp, widx, q0, tab)
             cute.arch.cp_async_wait_group(0)
@@ -387,27 +394,27 @@ class TrellisWgmma:
                   b_saddr, acc, tidx, warp, widx, q0, tab):
         """The cp.async ring over the K stages with wgmma n = 2 * n_acc (the first n_acc
         accumulators per m64 tile: a prefix of the columns)."""
-        for s in cutlass.range_constexpr(self.g.stages - 1):
-            if s < self.g.k_stages:
+        for s in cutlass.range_constexpr(self.ring.stages - 1):
+            if s < self.ring.k_stages:
                 self.issue_a(s, s, a_gaddr, a_saddr, rAsrc, tidx)
-                self.g.copy_b(s, s, b_gbase, b_saddr, tidx, self.item_threads)
+                self.ring.copy_b(s, s, b_gbase, b_saddr, tidx, self.item_threads)
             cute.arch.cp_async_commit_group()
-        for ks in range(self.g.k_stages):
+        for ks in range(self.ring.k_stages):
             self.wait_acc(acc, 0, n_acc)  # the previous stage's buffer is about to be refilled
-            cute.arch.cp_async_wait_group(self.g.stages - 2)
+            cute.arch.cp_async_wait_group(self.ring.stages - 2)
             ptx.fence_proxy_async_smem()
             self.sync()
-            nxt = ks + self.g.stages - 1
-            if nxt < self.g.k_stages:
-                self.issue_a(nxt, nxt % self.g.stages, a_gaddr, a_saddr, rAsrc, tidx)
-                self.g.copy_b(nxt, nxt % self.g.stages, b_gbase, b_saddr, tidx, self.item_threads)
+            nxt = ks + self.ring.stages - 1
+            if nxt < self.ring.k_stages:
+                self.issue_a(nxt, nxt % self.ring.stages, a_gaddr, a_saddr, rAsrc, tidx)
+                self.ring.copy_b(nxt, nxt % self.ring.stages, b_gbase, b_saddr, tidx, self.item_threads)
             cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(self.g.mixed):
-                K, _ = self.g.stage_rate(ks, b_gbase)
-                self.g.for_rate(0, K, self.mma_steps_at_rate,
-                                (sB, ks % self.g.stages, a_saddr, acc, warp, widx, tab, n_acc))
+            if cutlass.const_expr(self.ring.mixed):
+                K, _ = self.ring.stage_rate(ks, b_gbase)
+                self.ring.for_rate(0, K, self.mma_steps_at_rate,
+                                (sB, ks % self.ring.stages, a_saddr, acc, warp, widx, tab, n_acc))
             else:
-                self.mma_steps(sB, ks % self.g.stages, a_saddr, acc, warp, widx, q0, tab, n_acc)
+                self.mma_steps(sB, ks % self.ring.stages, a_saddr, acc, warp, widx, q0, tab, n_acc)
         self.wait_acc(acc, 0, n_acc)
 
     def sync(self):
@@ -435,7 +442,7 @@ class TrellisWgmma:
                           n_acc: cutlass.Constexpr):
         """`mma_steps` of a stage of `bits` K, then wait for its wgmmas (module docstring)."""
         widx, q0 = lanes[bits]
-        self.mma_steps(sB, buf, a_saddr, acc, warp, widx, q0, self.g.rate_table(tab, bits), n_acc,
+        self.mma_steps(sB, buf, a_saddr, acc, warp, widx, q0, self.ring.rate_table(tab, bits), n_acc,
                        bits)
         self.wait_acc(acc, 0, n_acc)
 
@@ -485,5 +492,5 @@ class TrellisWgmma:
             r = cute.arch.shuffle_sync(rRoute[reg], row - 32 * reg)
             if r < n_routes:
                 ptx.copy_shared_to_global_16(
-                    out_addr + (Int64(r) * self.g.n_dim + nt * TILE_N + lane * 4) * 4,
+                    out_addr + (Int64(r) * self.ring.n_dim + nt * TILE_N + lane * 4) * 4,
                     s_addr + (row * OUT_ROW_FLOATS + lane * 4) * 4)

@@ -170,7 +170,7 @@ def test_sqg_e4m3_compiles_with_its_state_table(arch, cache):
     64 KiB state table in front of its rings (measured shared memory), spills nothing, and
     its persistent grid's CTAs per SM are what shared memory allows. On sm_120 (99 KB per
     block) M=64 is rejected before compiling, naming the table."""
-    from kquant_cute.kernels.trellis_gemm import TABLE_BYTES
+    from kquant_cute.kernels.decode import TABLE_BYTES
 
     limits = arch_limits(arch)
     name = "TrellisWgmma" if arch == "sm_90a" else "TrellisGemm"
@@ -218,7 +218,8 @@ def test_mixed_rates_compile_on_sm90_with_a_table_per_rate(cache):
     M=32 x 2 that is the whole 227 KB); three rates at M=8 leave room for one worker only,
     which runs each work item on two warpgroups. The plan pair for 4,096 tokens keeps
     M=8 / M=64."""
-    from kquant_cute.kernels.trellis_gemm import TABLE_BYTES, b_stage_bytes
+    from kquant_cute.kernels.bring import b_stage_bytes
+    from kquant_cute.kernels.decode import TABLE_BYTES
 
     limits = arch_limits("sm_90a")
     cases = [("wgmma", "TrellisWgmma", m, (3, 4), 2) for m in (8, 32, 64)]

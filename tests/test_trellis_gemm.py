@@ -17,9 +17,9 @@ import torch
 from kquant_cute import trellis as tc
 from kquant_cute.kernels.moe import MoESpec
 from kquant_cute.kernels import format as kfmt
-from kquant_cute.kernels.trellis_gemm import (REPLICATE, REPLICATE_CODEBOOKS, TrellisGemm,
-                                              _plan_cost, lane_window, replicated,
-                                              smem_bytes, state_windows)
+from kquant_cute.kernels.decode import (REPLICATE, REPLICATE_CODEBOOKS, _plan_cost, lane_window,
+                                        replicated, state_windows)
+from kquant_cute.kernels.trellis_gemm import TrellisGemm, smem_bytes
 
 MASK32 = 0xFFFFFFFF
 

@@ -1,0 +1,258 @@
+"""The trellis decode both GEMMs share: ring words -> 16-bit states -> half2 registers.
+
+Owns how a lane turns its trellis words of one 16x16 tile into the four half2 registers
+of its m16n8k16 B fragment (`decode_lane_tile`, with `lane_words` / `lane_window` /
+`state_windows` for where its states sit and `decode_pair` for the codebook step), and the
+state tables of the table codebooks (sqg_e4m3): their size in shared memory
+(`table_bytes`, `table_note`), how a CTA stages them (`stage_table`) and the persistent
+grid their GEMMs run (`persistent_grid`). `TrellisGemm` (mma.sync) and `TrellisWgmma`
+(wgmma) decode through this module alone; the decode-only benchmark probe does too.
+Codebook constants come from `kernels/format.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+
+from . import format as fmt
+from . import ptx
+
+MMA_CODEBOOKS = ("mcg", "3inst", "mul1", "sqg_e4m3")
+#: Codebooks decoded through a state -> byte table in shared memory (persistent CTAs).
+TABLE_CODEBOOKS = ("sqg_e4m3",)
+TABLE_BYTES = 1 << 16  # one E4M3FN byte per 16-bit state
+
+
+def table_bytes(codebook: str | None, bits_set: tuple = ()) -> int:
+    """Shared memory of the codebook's state tables, one per rate of `bits_set` (one for a
+    uniform K; 0 for the arithmetic codebooks)."""
+    return TABLE_BYTES * max(1, len(bits_set)) if codebook in TABLE_CODEBOOKS else 0
+
+
+def table_note(codebook: str | None, bits_set: tuple = ()) -> str:
+    """What the state tables add to a shared-memory rejection ("" without tables)."""
+    if not table_bytes(codebook):
+        return ""
+    if bits_set:
+        return (f" (incl. the {table_bytes(codebook, bits_set) // 1024} KiB of {codebook} state "
+                f"tables for K {', '.join(map(str, bits_set))})")
+    return f" (incl. the {TABLE_BYTES // 1024} KiB {codebook} state table)"
+
+
+def stage_table(pTable, t_saddr, tidx, threads: int, nbytes: int = TABLE_BYTES):
+    """cp.async `nbytes` of state tables (64 KiB each) from global memory into shared memory
+    at `t_saddr` (one commit group; the main loop's first wait covers it, groups retire in
+    order)."""
+    chunks = nbytes // 16
+    for i in range(chunks // threads):  # unrolled at trace time
+        q = tidx + threads * i
+        ptx.cp_async_16(t_saddr + q * 16, pTable.toint() + Int64(q * 16))
+    cute.arch.cp_async_commit_group()
+
+
+def persistent_grid(max_blocks, n_tiles: int, sm_count, ctas_per_sm: int):
+    """Grid of a table codebook's GEMM: every resident CTA slot, never more than the work
+    items (each CTA loops over work items with the grid as its stride)."""
+    return cutlass.min(max_blocks * n_tiles, sm_count * ctas_per_sm)
+
+
+#: (s * REPLICATE) * replicated(C) == s * C (mod 2^32) for every 16-bit state s, because
+#: 0x10001 is odd and 0xFFFF0001 is its inverse mod 2^32: a state extracted as (s : s) in
+#: both 16-bit halves (one byte permute, also across two registers) multiplies exactly like
+#: the zero-extended state with the multiplier adjusted at trace time.
+REPLICATE = 0x10001
+REPLICATE_INV = 0xFFFF0001
+#: Codebooks whose first step is one multiplication of the state (so a replicated state
+#: works); the table codebooks index shared memory with the state itself.
+REPLICATE_CODEBOOKS = ("mcg", "3inst", "mul1")
+
+
+def replicated(mul: int) -> int:
+    """The multiplier that maps the replicated state (s : s) to s * `mul` (mod 2^32)."""
+    return (mul * REPLICATE_INV) & 0xFFFFFFFF
+
+
+def decode_pair(s0, s1, codebook: str, table=None, rep=(False, False)):
+    """Two 16-bit trellis states -> one half2 register of their codebook values (`table`:
+    the shared-memory address of the state table, table codebooks only). `rep[i]`: state i
+    arrives replicated in both halves (see `REPLICATE`), never for table codebooks."""
+    if codebook == "sqg_e4m3":
+        assert not any(rep), "table codebooks read the zero-extended state"
+        return ptx.e4m3_table_pair(s0, s1, table)
+
+    def mul(c: int, i: int) -> Uint32:
+        return Uint32(replicated(c) if rep[i] else c)
+
+    if codebook == "mcg":
+        x0 = s0 * mul(fmt.MCG_MUL, 0)
+        x1 = s1 * mul(fmt.MCG_MUL, 1)
+        return ptx.lop3_pair_scalar_add(x0, x1, fmt.LOP3_MASK, fmt.LOP3_XOR)
+    if codebook == "3inst":
+        x0 = s0 * mul(fmt.INST3_MUL, 0) + Uint32(fmt.INST3_ADD)
+        x1 = s1 * mul(fmt.INST3_MUL, 1) + Uint32(fmt.INST3_ADD)
+        return ptx.lop3_pair_scalar_add(x0, x1, fmt.LOP3_MASK, fmt.LOP3_XOR)
+    if codebook == "mul1":
+        x0 = s0 * mul(fmt.MUL1_MUL, 0)
+        x1 = s1 * mul(fmt.MUL1_MUL, 1)
+        return ptx.mul1_half2(x0, x1, Uint32(fmt.MUL1_KINV_BITS), Uint32(fmt.MUL1_KBIAS_BITS))
+    raise ValueError(f"codebook {codebook!r} has no mma decode path (supported: {MMA_CODEBOOKS})")
+
+
+@functools.lru_cache(maxsize=None)
+def lane_window(bits: int) -> tuple[int | None, int]:
+    """Where a lane's 8 states start in its 32-bit words: (compile-time bit offset q0 or
+    None, words to load). Lane L's first state starts at stream bit p0 = (8L+1)K - 16 (mod
+    the ring); when 8K is a multiple of 32 (K = 4) p0 mod 32 is the same for every lane, so
+    the states sit at fixed offsets of 2 words and no run-time funnel shift is needed."""
+    if (8 * bits) % 32 == 0:
+        q0 = (bits - 16) % 32
+        return q0, (q0 + 16 + 7 * bits + 31) // 32
+    return None, 3
+
+
+@functools.lru_cache(maxsize=None)
+def state_windows(bits: int, replicate: bool = False) -> tuple[tuple[int, ...], ...]:
+    """For each of a lane's 8 states, how to extract it: (d, r) = from the 32-bit window
+    at shift d, offset r, zero-extended; or (d_a, d_b, sel) = one byte permute of windows
+    d_a and d_b with selector `sel`, the state replicated in both halves (only with
+    `replicate`, see `REPLICATE`). Offsets are counted MSB-first in the 64-bit view
+    (hi:lo) of the lane's words; windows 0 (hi) and 32 (lo) exist anyway, each other window
+    costs one funnel shift. A state at r in {0, 8, 16} costs one op (shift, byte permute or
+    mask), else two; with `replicate`, a byte-aligned state whose two bytes lie at byte
+    offsets of two windows (e.g. K=4: the low byte of hi and the high byte of lo) costs one
+    byte permute. Windows are added greedily while they save ops; the replicated plan is
+    used only where it is strictly cheaper than the zero-extended one."""
+    plain = _greedy_windows(bits, False)
+    if replicate:
+        rep = _greedy_windows(bits, True)
+        if _plan_cost(rep) < _plan_cost(plain):
+            return rep
+    return plain
+
+
+def _plan_cost(plan) -> int:
+    windows = {d for e in plan for d in (e[:2] if len(e) == 3 else e[:1])} - {0, 32}
+    return len(windows) + sum(1 if len(e) == 3 or e[1] in (0, 8, 16) else 2 for e in plan)
+
+
+def _byte_in(o: int, ws) -> int | None:
+    """A window of `ws` holding view bits [o, o + 8) as one of its bytes (None: none)."""
+    for d in sorted(ws):
+        if 0 <= o - d <= 24 and (o - d) % 8 == 0:
+            return d
+    return None
+
+
+def _greedy_windows(bits: int, replicate: bool) -> tuple[tuple[int, ...], ...]:
+    q0, _ = lane_window(bits)
+    offsets = [(q0 or 0) + i * bits for i in range(8)]
+    cheap = (0, 8, 16)
+
+    def straddle(o, ws):
+        if not replicate:
+            return None
+        a, b = _byte_in(o, ws), _byte_in(o + 8, ws)
+        return None if a is None or b is None else (a, b)
+
+    def cost(ws):
+        total = len([d for d in ws if d not in (0, 32)])
+        for o in offsets:
+            if any(0 <= o - d <= 16 and (o - d) in cheap for d in ws) or straddle(o, ws):
+                total += 1
+            elif any(0 <= o - d <= 16 for d in ws):
+                total += 2
+            else:
+                return 1 << 20  # some state lies in no window
+        return total
+
+    chosen = {0, 32}
+    if cost(chosen) >= 1 << 20:
+        # Some state lies in neither word: the zero-extended plan starts from window 16
+        # (view bits 16..47, every offset in [16, 32] fits), the replicated one from the
+        # cheapest window that makes every state reachable.
+        chosen.add(min(range(1, 32), key=lambda d: cost(chosen | {d})) if replicate else 16)
+    while True:
+        best = min(range(1, 32), key=lambda d: cost(chosen | {d}))
+        if cost(chosen | {best}) >= cost(chosen):
+            break
+        chosen.add(best)
+    plan = []
+    for o in offsets:
+        good = [d for d in sorted(chosen) if 0 <= o - d <= 16 and (o - d) in cheap]
+        pair = straddle(o, chosen)
+        if good:
+            plan.append((good[0], o - good[0]))
+        elif pair:
+            d_a, d_b = pair
+            # prmt.b32 d, a, b, sel: bytes 0-3 of a, 4-7 of b; the state's low byte is
+            # view bits [o + 8, o + 16), its high byte [o, o + 8); both halves alike.
+            lo = 4 + 3 - (o + 8 - d_b) // 8
+            hi = 3 - (o - d_a) // 8
+            plan.append((d_a, d_b, lo | hi << 4 | lo << 8 | hi << 12))
+        else:
+            fits = [(o - d) for d in sorted(chosen) if 0 <= o - d <= 16]
+            d = o - fits[-1]
+            plan.append((d, o - d))
+    return tuple(plan)
+
+
+def decode_lane_tile(words, q0, bits: int, codebook: str, table=None) -> list:
+    """This lane's 8 weights of one 16x16 tile -> 4 half2 B registers (pairs in t order).
+
+    `words` are the lane's `lane_window(bits)[1]` consecutive ring words (from word
+    p0 // 32) and `q0` = p0 mod 32 (run-time; unused when it is a compile-time constant).
+    With a run-time q0, two funnel shifts align a 64-bit window first. A few more windows
+    (chosen at compile time by `state_windows`) put every state at a byte offset 0, 8 or 16
+    of some 32-bit word, where one ALU op (shift, byte permute or mask) extracts it; for the
+    arithmetic codebooks a byte-aligned state straddling two windows is one byte permute
+    too, replicated in both halves (`REPLICATE`)."""
+    static_q0, _ = lane_window(bits)
+    if static_q0 is None:
+        u0, u1, u2 = words
+        w_hi = ptx.funnel_hi(u0, u1, q0)
+        w_lo = ptx.funnel_hi(u1, u2, q0)
+    else:
+        w_hi, w_lo = words
+    windows = {0: w_hi, 32: w_lo}
+    plan = state_windows(bits, codebook in REPLICATE_CODEBOOKS)
+    for d in sorted({d for e in plan for d in (e[:2] if len(e) == 3 else e[:1])}):
+        if d not in windows:
+            windows[d] = ptx.funnel_hi(w_hi, w_lo, Uint32(d))
+    states = []
+    for e in plan:
+        if len(e) == 3:  # replicated: one byte permute of two windows
+            states.append(ptx.prmt2_u32(windows[e[0]], windows[e[1]], e[2]))
+            continue
+        d, r = e
+        w = windows[d]
+        if r == 0:
+            st = w >> 16
+        elif r == 8:
+            st = ptx.prmt_u32(w, 0x4421)
+        elif r == 16:
+            st = w & Uint32(0xFFFF)
+        else:
+            st = (w >> (16 - r)) & Uint32(0xFFFF)
+        states.append(st)
+    rep = [len(e) == 3 for e in plan]
+    return [decode_pair(states[2 * p], states[2 * p + 1], codebook, table,
+                        (rep[2 * p], rep[2 * p + 1])) for p in range(4)]
+
+
+def lane_words(lane, bits: int):
+    """Run-time (word indices, q0) of a lane's trellis window inside one tile's ring."""
+    tile_words = 8 * bits
+    ring_bits = 256 * bits
+    p0 = (8 * lane + 1) * bits - 16 + ring_bits
+    p0 = cutlass.select_(p0 >= ring_bits, p0 - ring_bits, p0)
+    w = Int32(p0) // 32
+    q0 = Int32(p0) % 32
+    idx = [w]
+    for _ in range(lane_window(bits)[1] - 1):
+        nxt = idx[-1] + 1
+        idx.append(Int32(cutlass.select_(nxt >= tile_words, nxt - tile_words, nxt)))
+    return idx, q0
