@@ -84,7 +84,7 @@ def run_table(wts, tokens, blocks, *, iters, knobs, peer=None, ceilings=None, de
             outs.append(out)
             del layer
         layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ", banded=False,
-                         **knobs)  # the seed's plan pair
+                         **knobs)  # the decode/prefill pair plan
         row["plan"], row["plan_M"], out = time_layer(layer, m, iters=iters)
         outs.append(out)
         row["gemm"] = layer.plan.plan_for(m).spec.mma

@@ -155,7 +155,7 @@ def format_table(rows) -> list[str]:
 
 
 def format_mixed_table(rows) -> list[str]:
-    """Markdown table of issue 18's pair (mixed k3x22_k4x2 vs uniform K=3 sqg_e4m3), with
+    """Markdown table of the mixed-rate pair (mixed k3x22_k4x2 vs uniform K=3 sqg_e4m3), with
     the other columns where the run has them (pure; no GPU)."""
     head = ["tokens", "sqg K=3 (M)", "mixed k3x22_k4x2 (M)", "mixed / K=3", "mixed / mcg K=4",
             "mixed / QSRT K=2", "decode-only sqg K=3", "bitwise equal"]
@@ -172,7 +172,7 @@ def format_mixed_table(rows) -> list[str]:
 
 
 def tables(rows) -> list[str]:
-    """The tables a run's columns fill (the production one, issue 18's mixed pair)."""
+    """The tables a run's columns fill (the production one, the mixed-rate pair)."""
     out = []
     if rows and "mcg_k4" in rows[0] and "qsrt_k2_coupled" in rows[0]:
         out += format_table(rows)

@@ -7,8 +7,8 @@ Cross-compiles the decode-only probe (`decode_probe.py`) per (codebook, K), disa
 instructions of its main loop, which decodes 64 weights per thread per iteration (plus
 0.5 packed fp16 adds per weight for the checksum). Prints a markdown table: all
 instructions per weight, ALU-pipe instructions per weight (integer logic, shifts, byte
-permutes, compares) and the most frequent opcodes. The decode-only kernel measured on the
-H200 is ALU-pipe-bound, so the ALU column predicts relative decode speed.
+permutes, compares) and the most frequent opcodes. The decode-only kernel is ALU-pipe-bound
+on the H200 (docs/benchmarks.md), so the ALU column predicts relative decode speed.
 """
 
 from __future__ import annotations

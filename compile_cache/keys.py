@@ -27,8 +27,8 @@ canonical JSON document (sorted keys, no whitespace, no NaN) holding:
     and Python are recorded in every entry's metadata (:func:`runtime_versions`) but NOT
     keyed: the payload is a relocatable object (host launch code + cubin) loaded by the
     DSL runtime, independent of them, and keying them would make a build box's prewarmed
-    cache useless to a serving machine with another Python or torch (the H200 here runs
-    Python 3.12 / torch 2.11, the build machines 3.11 / 2.13). Bump
+    cache useless to a serving machine with another Python or torch (build and serving
+    machines commonly differ in both). Bump
     :data:`CACHE_FORMAT_VERSION` if a kernel ever embeds something that depends on them.
 ``options``
     The compile options string passed to ``cute.compile``.

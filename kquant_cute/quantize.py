@@ -18,9 +18,10 @@ tail-biting: the high 16-K bits of x_0 are the low 16-K bits of x_255. The searc
 two passes: an unconstrained probe over a 128-weight window centred on the wrap point
 (weights 192..255, 0..63), whose survivor at weight 255 fixes the wrap-around bits, then
 a full pass constrained to start and end on them. The result is always an exactly
-decodable tile; against the best of 16 wrap points (the ring rolled by 0, 16, .., 240)
-it loses 0.4% MSE at K=4. Against the unconstrained-start optimum, which is not a valid
-code (x_0 free adds 16-K bits per tile), it loses 4-6%: a rate effect, not search loss.
+decodable tile. Its small loss against the best of 16 wrap points (the ring rolled by
+0, 16, .., 240), and its larger distance from the unconstrained-start optimum (not a valid
+code: a free x_0 adds 16-K bits per tile, a rate effect rather than search loss), are
+measured in docs/quantizer.md.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from . import trellis as tc
 __all__ = ["viterbi_tiles", "quantize", "distortion_report", "steady_state_ratio",
            "DEFAULT_SCALE_FACTORS"]
 
-#: Multipliers tried around the RMS-matched scale by :func:`quantize`'s scale search
-#: (measured optimum on Gaussian data: ~1.0 at K=2 rising to ~1.2 at K=6 for mcg).
+#: Multipliers tried around the RMS-matched scale by :func:`quantize`'s scale search; they
+#: bracket the optimum on Gaussian data, which grows with K (docs/quantizer.md).
 DEFAULT_SCALE_FACTORS = (0.95, 1.05, 1.15, 1.25)
 #: Memory budget of one chunk of tiles (bytes; back-pointers plus per-step work arrays),
 #: per device type. Larger GPU chunks amortise the per-step launches.
@@ -307,8 +308,8 @@ def distortion_report(
 
     The matrix is rescaled to a mean square of exactly 1 before quantizing, so that the
     MSE is measured on the normalisation D(R) assumes (unit variance). Without it the
-    ratio carries the sample's variance error (about +-sqrt(2 / weights): 1.1% at 64
-    tiles; seed 0's 64-tile sample has mean square 1.0168, which read as +1.7%).
+    ratio carries the sample's variance error, about +-sqrt(2 / weights) relative
+    (docs/quantizer.md shows its size at 64 tiles).
     """
     if tiles <= 0 or tiles % 64:
         raise ValueError(f"tiles must be a positive multiple of 64, got {tiles}")

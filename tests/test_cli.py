@@ -34,7 +34,7 @@ from kquant_cute.prewarm import (
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-# --pair: the seed's plan pair (decode + prefill M, two specializations per arch) keeps the
+# --pair: the decode/prefill pair plan (decode + prefill M, two specializations per arch) keeps the
 # compiles of these tests few; the default (banded) plan has its own test below.
 SMALL = ["--experts", "8", "--hidden", "256", "--intermediate", "256", "--topk", "2",
          "--capacity", "512", "--pair"]
@@ -311,7 +311,7 @@ def test_progress_tty_uses_carriage_returns() -> None:
     assert "M=64: compiled (1.50 s)" in text
 
 
-# ------------------------------------------------------------- reliability (issue 16)
+# ------------------------------------------------------------- reliability
 def _entry_of(cache_dir: Path, arch: str, block_m: int) -> str:
     for meta_path in cache_dir.glob("*.json"):
         meta = json.loads(meta_path.read_text())

@@ -645,7 +645,7 @@ def test_runtime_versions_recorded_but_not_keyed(tmp_path) -> None:
     assert built["python"].endswith(f"{sys.version_info.major}.{sys.version_info.minor}")
 
 
-# ------------------------------------------------------------- reliability (issue 16)
+# ------------------------------------------------------------- reliability
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()

@@ -76,7 +76,7 @@ def test_sm120_rejects_wide_block_that_sm90_accepts(cache):
     assert v90.ok
     assert not v120.ok and "shared memory" in v120.reason and "101,376" in v120.reason
     env = resolve_env({})
-    # The seed's pair (banded=False): the fallback walk alone, no band candidates.
+    # The decode/prefill pair plan (banded=False): the fallback walk alone, no band candidates.
     p90 = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache, banded=False)
     p120 = plan_forward(base, capacity=4096, arch="sm_120", env=env, cache=cache, banded=False)
     assert p90.prefill.spec.block_m == 64
@@ -115,7 +115,7 @@ def test_static_rejections_name_the_reason():
 @needs_cuobjdump
 def test_banded_plan_binds_the_policy_choice_per_call(cache):
     """The default (banded) plan: above the threshold a call binds the policy's M at its own
-    m (the seed's pair, banded=False, binds the capacity's M=64 for every m > 256)."""
+    m (the pair plan, banded=False, binds the capacity's M=64 for every m > 256)."""
     base = DEFAULT_GEOMETRY.replace(hidden=256, intermediate=256, arch="sm_90a")
     env = resolve_env({})
     pair = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache, banded=False)

@@ -229,7 +229,7 @@ def test_token_band_sizing():
 
 def test_plan_with_fallback():
     check = RecordingCheck({64: SMEM_64, 48: REGS_48})
-    plan = plan_routes(8192, 16, 896, PlanEnv(), check, banded=False)  # the seed's pair
+    plan = plan_routes(8192, 16, 896, PlanEnv(), check, banded=False)  # the pair plan
     assert check.calls == [64, 48, 32, 8]  # the walk, then the decode M=8
     assert [(b.lo, b.hi, b.block_m, b.role) for b in plan.bands] == [
         (1, 256, 8, "decode"), (257, 8192, 32, "prefill")]
@@ -497,7 +497,7 @@ def test_layer_scratch_is_sized_by_the_plan(tmp_path) -> None:
 
 def test_default_plan_is_banded_except_for_table_codebooks(monkeypatch) -> None:
     """`banded=None` (MoELayer's, plan_forward's and prewarm's default) is the spec's
-    default plan: banded for the ALU codebooks, the seed's pair for sqg_e4m3 (its table
+    default plan: banded for the ALU codebooks, the pair plan for sqg_e4m3 (its table
     GEMM measured faster at the capacity's M); an explicit True / False wins."""
     from kquant_cute import compiler
     from kquant_cute.prewarm import DEFAULT_GEOMETRY

@@ -26,7 +26,8 @@ HIDDEN, INTER, BITS = 256, 128, 2
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
     """Tiny matmuls: one intra-op thread is faster and immune to OpenMP oversubscription
-    (on a loaded 2-core host a strided fp64 matmul took ~2 s with 2 threads, ~1 ms with 1)."""
+    (on a loaded host with few cores, several intra-op threads make a strided fp64 matmul
+    orders of magnitude slower)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
