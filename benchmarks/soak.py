@@ -1,7 +1,9 @@
 """Soak: many forwards of two fused MoE layers on one GPU, checked, with a pass/fail line.
 
 Two small layers that still take every serving path: an mcg K=4 layer (ALU decode, shared
-hidden-side vectors, the banded plan: decode M=8, every band M, prefill M) and a QSRT-style
+hidden-side vectors, the banded plan; at 16 experts and top-4 its policy binds M=8 up to the
+prefill threshold and M=64 above it, so the band sizes between are planned and compiled but
+not bound) and a QSRT-style
 sqg_e4m3 K=2 layer with the coupled transforms and a global->local expert map (table
 decode, the plan pair). Both are built with `stream_arenas=True` and driven from two CUDA
 streams at once. Each iteration picks a layer, a stream and a mode:
