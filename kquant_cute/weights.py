@@ -72,6 +72,20 @@ def _check_bits(name: str, codebook: str, bits: int) -> None:
         raise ValueError(f"{name}: {exc}") from None
 
 
+def _target_device(name: str, device: Optional[torch.device | str]) -> torch.device:
+    """``device`` as a torch.device (None: the CPU); a CUDA device this torch cannot reach
+    raises here, in words, instead of torch's assertion at the first allocation."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{name}: device {str(device)!r} needs a CUDA GPU, and this torch "
+            f"({torch.__version__}) sees none. Without a GPU, build the weights on the CPU "
+            "(device=None) and plan, describe and prewarm the layer: "
+            "kquant_cute.layer_spec(weights, topk=...), kquant_cute.plan_forward(...), "
+            "kquant_cute.prewarm_plans(...) or kquant-compile")
+    return dev
+
+
 def _same_device(name: str, tensors: Mapping[str, Optional[torch.Tensor]]) -> torch.device:
     devices = {k: v.device for k, v in tensors.items() if v is not None}
     unique = set(devices.values())
@@ -449,6 +463,7 @@ class MoEWeights:
         }
 
     def to(self, device: torch.device | str) -> "MoEWeights":
+        _target_device("MoEWeights.to", device)
         moved = {name: t.to(device) for name, t in self.tensors()}
         moved.update({name: t.to(device) for name, t in self._optional_tensors().items()})
         return MoEWeights(codebook=self.codebook, profile=self.profile, **moved)
@@ -544,7 +559,7 @@ class MoEWeights:
             raise ValueError(f"num_experts must be positive, got {num_experts}")
         _check_bits("random", codebook, bits)
         _check_features("random", hidden, intermediate)
-        dev = torch.device(device) if device is not None else torch.device("cpu")
+        dev = _target_device("MoEWeights.random", device)
         gen = torch.Generator().manual_seed(seed)
         rms = float(tc.codebook_lut(codebook, bits).square().mean().sqrt())
 

@@ -42,3 +42,18 @@ def test_plan_describe_and_prewarm_without_a_gpu(tmp_path):
                               cache=cache)
     assert [(r.block_m, r.role, r.status) for r in arch.records] == [(8, "decode", "cached")]
     assert arch.describe().startswith("[sm_120a]")
+
+
+def test_cuda_weights_without_a_gpu_say_so():
+    """On a torch that sees no GPU, asking for CUDA weights is the toolkit's error, naming
+    the call and the way out, not torch's assertion at the first allocation."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a CUDA GPU: the error is for machines without one")
+    weights = kquant_cute.MoEWeights.random(2, 128, 128, 2, "mcg", seed=0)
+    for call in (lambda: kquant_cute.MoEWeights.random(2, 128, 128, 2, "mcg", device="cuda"),
+                 lambda: weights.to("cuda:0")):
+        with pytest.raises(ValueError, match=r"needs a CUDA GPU.*sees none") as info:
+            call()
+        assert "plan_forward" in str(info.value) and "kquant-compile" in str(info.value)
