@@ -1,4 +1,4 @@
-"""Do the trellis decode and mma.sync overlap on this GPU? (H200 run: docs/benchmarks.md)
+"""Do the trellis decode and mma.sync overlap on this GPU? (H200 run: docs/perf-log.md)
 
     python3 benchmarks/overlap_probe.py [--rows 0 16 32 64] [--bits 4]
 

@@ -31,7 +31,7 @@ import time
 KERNELS = ("TrellisWgmma", "TrellisGemm", "TrellisDecode", "RoutePack", "RotateInput",
            "MidActivation", "CombineOutput")
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-#: Reports understood and harmless: where they come from (see docs/benchmarks.md).
+#: Reports understood and harmless: where they come from (see docs/perf-log.md, "Sanitizers").
 EXPLAINED = {
     "host:cuGetProcAddress_v2": "cuda-bindings (cydriver) resolving driver entry points at the "
     "first cute.compile of a process (the DSL's detect_gpu_arch); a host API return code the "
