@@ -460,41 +460,6 @@ def test_candidate_bound():
     assert candidate_bound(256, 16, 896, PlanEnv()) == 1
 
 
-def test_layer_scratch_is_sized_by_the_plan(tmp_path) -> None:
-    """The plan owns the route bounds the layer allocates and launches with: the scratch
-    route list is the bound over its bands, a call's grid is the bound at its own m and the
-    M it binds; the arena holds every scratch argument, aligned."""
-    from kquant_cute.compile_cache import CompileCache
-    from kquant_cute.compiler import plan_forward
-    from kquant_cute.kernels.launch import ARGS, scratch_layout
-    from kquant_cute.prewarm import DEFAULT_GEOMETRY
-
-    base = DEFAULT_GEOMETRY.replace(hidden=256, intermediate=256)
-    cap = 8192
-    n = cap * base.topk
-    plan = plan_forward(base, capacity=cap, arch="sm_120", env=resolve_env({}),
-                        cache=CompileCache(tmp_path), banded=False)
-    assert sorted(s.block_m for s in plan.specs()) == [8, 64] == list(plan.entries)
-    assert plan.route.route_slots == max(padded_route_slots(n, base.num_experts, m) for m in (8, 64))
-    assert plan.route.max_blocks(100) == max_route_blocks(100 * 16, 896, 8)
-    assert plan.route.max_blocks(4000) == max_route_blocks(4000 * 16, 896, 64)
-    assert plan.plan_for(100) is plan.decode and plan.plan_for(4000) is plan.prefill
-    both = scratch_layout(base, capacity=cap, max_slots=plan.route.route_slots)
-    decode_only = scratch_layout(base, capacity=cap, max_slots=padded_route_slots(n, base.num_experts, 8))
-    wide_only = scratch_layout(base, capacity=cap, max_slots=padded_route_slots(n, base.num_experts, 64))
-    assert both.nbytes == max(decode_only.nbytes, wide_only.nbytes)
-    # Block ids: enough for the narrowest plan's block count.
-    assert both["block_expert"].shape[0] * 8 >= both["sorted_routes"].shape[0]
-    # Buffers never overlap, and each is 256-byte aligned.
-    spans = sorted((b.offset, b.offset + b.nbytes) for b in both.buffers)
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
-    assert all(b.offset % 256 == 0 for b in both.buffers)
-    # Every scratch argument of the entry point is a buffer of the layout, and only those.
-    assert {a.name for a in ARGS if a.kind == "scratch"} == set(both.names)
-    # The cache's answer to every request planning made is kept, by M.
-    assert {m: o.result.status for m, o in plan.outcomes.items()} == {64: "compiled", 8: "compiled"}
-
-
 def test_default_plan_is_banded_except_for_table_codebooks(monkeypatch) -> None:
     """`banded=None` (MoELayer's, plan_forward's and prewarm's default) is the spec's
     default plan: banded for the ALU codebooks, the pair plan for sqg_e4m3 (its table
