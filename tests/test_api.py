@@ -16,8 +16,25 @@ def test_import_is_light_and_every_name_resolves():
             "assert not heavy, heavy; assert k.select_route_block_size_m(1536, 16, 896) == 32;"
             "assert not {'torch', 'cutlass'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
-    for name in kquant_cute.__all__:
-        assert getattr(kquant_cute, name) is not None, name
+    # Each public name is the object its owning module defines, not a copy or a stand-in.
+    import importlib
+
+    owners = {
+        "kquant_cute.layer": ("MoELayer", "BoundForward", "layer_spec"),
+        "kquant_cute.weights": ("MoEWeights",),
+        "kquant_cute.kernels.moe": ("MoESpec",),
+        "kquant_cute.compiler": ("ForwardPlan", "plan_forward", "geometry_check"),
+        "kquant_cute.prewarm": ("DEFAULT_GEOMETRY", "DEFAULT_CAPACITY", "prewarm_plans"),
+        "kquant_cute.compile_cache": ("CompileCache",),
+        "kquant_cute.planners": ("select_route_block_size_m", "resolve_env", "PlanEnv",
+                                 "ROUTE_BLOCK_SIZES"),
+    }
+    named = [n for names in owners.values() for n in names]
+    assert sorted(named) == sorted(n for n in kquant_cute.__all__ if n != "__version__")
+    for module, names in owners.items():
+        for name in names:
+            assert getattr(kquant_cute, name) is getattr(importlib.import_module(module), name), name
+    assert kquant_cute.__version__.count(".") == 2
     assert set(kquant_cute.__all__) <= set(dir(kquant_cute))
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         kquant_cute.nope  # noqa: B018

@@ -88,19 +88,27 @@ def test_sm120_rejects_wide_block_that_sm90_accepts(cache):
 
 
 def test_static_rejections_name_the_reason():
+    from kquant_cute.kernels.launch import ROUTE_BLOCK_SIZES
+
     spec = DEFAULT_GEOMETRY.replace(block_m=8, arch="sm_90a")
-    assert "multiple of 128" in spec.replace(hidden=3500).check()
-    assert "block_m" in spec.replace(block_m=12).check()
-    assert "bits" in spec.replace(bits=7).check()
-    assert "no mma decode path" in spec.replace(codebook="bogus").check()
+    reasons = {
+        "hidden 3500 is not a multiple of 128 (one warp per 128-wide chunk)": dict(hidden=3500),
+        f"block_m 12 not in {ROUTE_BLOCK_SIZES}": dict(block_m=12),
+        "bits 7 outside 2..6 for codebook 'mcg'": dict(bits=7),
+        "bits 5 outside 2..4 for codebook 'sqg_e4m3'": dict(codebook="sqg_e4m3", bits=5),
+        "codebook 'sqg_e4m3' needs cvt.rn.f16x2.e4m3x2 (sm_89 or later), not sm_86":
+            dict(codebook="sqg_e4m3", arch="sm_86", mma="sync"),
+        "stages 1 outside 2..8": dict(stages=1),
+        "span must be an int >= 0, got -1": dict(mma="wgmma", span=-1),
+        "span 3 not in (1, 2, 4)": dict(mma="wgmma", span=3),
+        "mma 'wgmma' needs sm_90a, not sm_120a": dict(arch="sm_120a", mma="wgmma"),
+    }
+    for reason, change in reasons.items():
+        assert spec.replace(**change).check() == reason, change
+    assert spec.replace(codebook="bogus").check().startswith(
+        "codebook 'bogus' has no mma decode path (supported: ")
+    assert spec.replace(mma="mfma").check().startswith("mma 'mfma' not in (")
     assert spec.replace(codebook="sqg_e4m3", bits=4).check() is None
-    assert "bits 5 outside 2..4" in spec.replace(codebook="sqg_e4m3", bits=5).check()
-    assert "sm_89 or later" in spec.replace(codebook="sqg_e4m3", arch="sm_86", mma="sync").check()
-    assert "stages" in spec.replace(stages=1).check()
-    assert "mma 'mfma' not in" in spec.replace(mma="mfma").check()
-    assert "span must be an int >= 0" in spec.replace(mma="wgmma", span=-1).check()
-    assert "span 3 not in" in spec.replace(mma="wgmma", span=3).check()
-    assert "needs sm_90a" in spec.replace(arch="sm_120a", mma="wgmma").check()
     # "auto" resolves by arch when the spec is made; the resolved spec names and keys the
     # object, and replace() resolves the request again (M=32 gets its own span).
     assert (spec.mma, spec.span) == ("wgmma", 1) and spec.requested == ("auto", 0)
@@ -283,26 +291,47 @@ def test_mixed_rate_rejections_name_the_reason():
 
 def test_sub_kernels_answer_the_same_questions():
     """Every device kernel of the forward: can_implement (a reason or None), threads and
-    dynamic shared memory; the geometry check and the resource reading use this list."""
-    for arch, gemm in (("sm_90a", "TrellisWgmma"), ("sm_120a", "TrellisGemm")):
-        spec = DEFAULT_GEOMETRY.replace(block_m=32, arch=arch)
+    dynamic shared memory, here against hand-computed values for the reference geometry
+    (E=896, K=4, 4 stages); the geometry check and the resource reading use this list.
+
+    RoutePack: one CTA of 1,024 threads; per-expert counts and cursors (2 x 896 int32), two
+    scan buffers (2 x 1,024 int32) and 64 bytes of slack. The rotation stages: 4 warps,
+    registers and shuffles only. Both GEMMs: 4 warps (one warpgroup: at most 64 rows) and a
+    B ring of 4 stages x 8 tile columns x 4 k-tiles x 32 x K bytes = 16,384 B, after an A
+    region: mma.sync, 4 stages x rows padded to 16 x 72 halves (64 + 8 padding) x 2 B but at
+    least the epilogue's 4 warps x 16 x 40 fp32 = 10,240 B; wgmma, 4 stages x rows x 128 B
+    but at least the epilogue tile of rows x 132 fp32 (rows = span x M: M=32 runs span 2)."""
+    b_ring = 4 * 8 * 4 * 32 * 4
+    gemm_smem = {
+        ("sm_120a", 8): 10_240 + b_ring,                 # 4 x 16 x 72 x 2 = 9,216 < 10,240
+        ("sm_120a", 32): 4 * 32 * 72 * 2 + b_ring,
+        ("sm_120a", 64): 4 * 64 * 72 * 2 + b_ring,
+        ("sm_90a", 8): 8 * 132 * 4 + b_ring,             # 4 x 8 x 128 = 4,096 < 4,224
+        ("sm_90a", 32): 64 * 132 * 4 + b_ring,           # 2 blocks of 32: 64 rows
+        ("sm_90a", 64): 64 * 132 * 4 + b_ring,
+    }
+    for (arch, m), smem in gemm_smem.items():
+        gemm = "TrellisWgmma" if arch == "sm_90a" else "TrellisGemm"
+        spec = DEFAULT_GEOMETRY.replace(block_m=m, arch=arch)
         subs = spec.sub_kernels()
         assert [s.role for s in subs] == ["pack", "rotate_in", "gemm1", "mid", "gemm2", "combine"]
-        assert {s.name for s in subs} == {gemm, "RoutePack", "RotateInput", "MidActivation",
-                                          "CombineOutput"}
-        for sub in subs:
+        assert spec.kernel_launches() == {
+            "RoutePack": (1024, 4 * (2 * 896 + 2 * 1024) + 64), "RotateInput": (128, 0),
+            gemm: (128, smem), "MidActivation": (128, 0), "CombineOutput": (128, 0)}, (arch, m)
+        for sub in subs:  # each built kernel says the same as the launch table
             assert sub.check() is None
             k = sub.build()
-            assert isinstance(k.threads, int) and 32 <= k.threads <= 1024
-            assert isinstance(k.smem_bytes, int) and k.smem_bytes >= 0
-        launches = spec.kernel_launches()
-        assert launches["RoutePack"] == (1024, 4 * (2 * 896 + 2 * 1024) + 64)
-        assert launches["RotateInput"] == (128, 0)
-    # A sub-kernel's own reason surfaces through the spec, with its numbers.
-    assert "route pack needs" in DEFAULT_GEOMETRY.replace(num_experts=40000).check(smem_limit=101376)
-    assert "activation 'gelu'" in DEFAULT_GEOMETRY.replace(activation="gelu").check()
+            assert (k.threads, k.smem_bytes) == spec.kernel_launches()[sub.name]
+        assert spec.dynamic_smem()[gemm] == smem
+    # A sub-kernel's own reason surfaces through the spec, with its numbers: 40,000 experts
+    # need 4 x (80,000 + 2,048) + 64 B to pack; a wgmma work item of 2 x 64 rows with 8
+    # stages needs 8 x 128 x 128 B of A ring and 8 x 4,096 B of B ring.
+    assert DEFAULT_GEOMETRY.replace(num_experts=40000).check(smem_limit=101376) == (
+        "route pack needs 328,256 B shared memory > 101,376 B per-block limit")
+    assert DEFAULT_GEOMETRY.replace(activation="gelu").check() == (
+        "activation 'gelu' not in ('silu', 'situ')")
     wg = DEFAULT_GEOMETRY.replace(block_m=64, mma="wgmma", span=2, stages=8, arch="sm_90a")
-    assert "shared memory" in wg.check(smem_limit=101376)
+    assert wg.check(smem_limit=101376) == "shared memory 163,840 B > 101,376 B per-block limit"
 
 
 def test_unmeasured_resources_are_reported_not_passed(tmp_path, monkeypatch, capsys):

@@ -39,18 +39,40 @@ def _single_thread():
 # ---------------------------------------------------------------------------------------
 
 
-def test_activation_constants_and_formulas():
-    assert ACTIVATIONS == ("silu", "situ")
-    assert (SITU_BETA, SITU_LBETA) == (4.0, 25.0)
+def test_activation_formulas_and_saturation():
     g = torch.linspace(-30, 30, 101, dtype=torch.float64)
     u = torch.linspace(40, -40, 101, dtype=torch.float64)
     silu = activation_fn("silu")(g, u)
     torch.testing.assert_close(silu, g / (1 + torch.exp(-g)) * u, rtol=1e-12, atol=1e-12)
     situ = activation_fn("situ")(g, u)
-    want = 4.0 * torch.tanh(g / 4.0) / (1 + torch.exp(-g)) * 25.0 * torch.tanh(u / 25.0)
+    b, lb = SITU_BETA, SITU_LBETA
+    want = b * torch.tanh(g / b) / (1 + torch.exp(-g)) * lb * torch.tanh(u / lb)
     torch.testing.assert_close(situ, want, rtol=1e-12, atol=1e-12)
-    # SiTU saturates: |gate part| < 4 and |up part| < 25.
-    assert situ.abs().max() < 4.0 * 25.0
+    # SiTU saturates: |gate part| < beta and |up part| < lbeta, both reached at large inputs.
+    assert situ.abs().max() < b * lb
+    big = torch.tensor([1e4], dtype=torch.float64)
+    torch.testing.assert_close(activation_fn("situ")(big, big), big.new_tensor([b * lb]))
+    torch.testing.assert_close(activation_fn("situ")(big, -big), big.new_tensor([-b * lb]))
+    # Near zero tanh(x / c) * c = x: SiTU is SiLU there.
+    small = torch.linspace(-1e-3, 1e-3, 11, dtype=torch.float64)
+    torch.testing.assert_close(activation_fn("situ")(small, small),
+                               activation_fn("silu")(small, small), rtol=1e-6, atol=0)
+
+
+def test_activations_agree_with_the_kernels_and_the_format_doc():
+    """The torch reference and the rotation kernel hold the activation set and SiTU's
+    saturation constants each (the kernels import nothing from the API package): they agree,
+    and docs/formats.md states the same values."""
+    from pathlib import Path
+
+    from kquant_cute.kernels import rotate
+
+    assert ACTIVATIONS == rotate.ACTIVATIONS
+    assert (SITU_BETA, SITU_LBETA) == (rotate.SITU_BETA, rotate.SITU_LBETA)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "formats.md").read_text()
+    assert f"beta = {SITU_BETA:g} and lbeta = {SITU_LBETA:g}" in doc
+    for name in ACTIVATIONS:
+        assert callable(activation_fn(name))
 
 
 @pytest.mark.parametrize("bad", ["gelu", "SILU", "", None])
@@ -390,8 +412,17 @@ def test_route_pack_bad_inputs():
 
 
 def test_module_exports():
+    """`from kquant_cute.reference import *` binds exactly __all__, every function and class
+    of it defined here (not re-exported from elsewhere)."""
+    scope: dict = {}
+    exec("from kquant_cute.reference import *", scope)
+    assert set(scope) - {"__builtins__"} == set(ref.__all__)
     for name in ref.__all__:
-        assert hasattr(ref, name)
+        obj = scope[name]
+        if callable(obj):
+            assert obj.__module__ == "kquant_cute.reference", name
+        else:
+            assert name.isupper(), name  # the module's constants
 
 
 # ---------------------------------------------------------------------------------------
