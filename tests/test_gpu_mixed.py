@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_helpers import check_graph_replay
 from test_gpu_moe import _inputs, _layer, _needs_sm90, _rel_err, _run
 
 pytestmark = pytest.mark.gpu
@@ -140,22 +141,8 @@ def _check_layer(wts, *, mma=None, ms=(1, 7, 16, 160), blocks=(8, 16, 32, 48, 64
     if not graphs:
         return
     for m in (1, 8):
-        x, ids, w = _inputs(m, h, TOPK, e, torch.bfloat16, seed=500 + m)
-        bound = layer.bind(x, ids, w)
-        bound.run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            bound.run()
-        x2, ids2, w2 = _inputs(m, h, TOPK, e, torch.bfloat16, seed=600 + m)
-        x.copy_(x2)
-        ids.copy_(ids2)
-        w.copy_(w2)
-        layer.output.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = layer.output[:m].clone()
-        assert torch.equal(replayed, _run(layer, x, ids, w)), f"m={m}: replay != eager"
+        check_graph_replay(layer, _inputs(m, h, TOPK, e, torch.bfloat16, seed=500 + m),
+                           [_inputs(m, h, TOPK, e, torch.bfloat16, seed=600 + m)], f"m={m}")
 
 
 @pytest.mark.parametrize("mma", ["sync", "wgmma"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_helpers import check_graph_replay
 
 pytestmark = pytest.mark.gpu
 
@@ -244,24 +245,10 @@ def test_cuda_graph_decode_replay_bitwise_equal_to_eager():
                             seed=4, device="cuda")
     layer = _layer(wts, topk=TOPK_SMALL, capacity=512)
     for m in (1, 2, 4, 8):
-        x, ids, w = _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=100 + m)
-        bound = layer.bind(x, ids, w)
-        bound.run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            bound.run()
-        for trial in range(3):
-            x2, ids2, w2 = _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=200 + 10 * m + trial)
-            x.copy_(x2)
-            ids.copy_(ids2)
-            w.copy_(w2)
-            layer.output.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            replayed = layer.output[:m].clone()
-            eager = _run(layer, x, ids, w).clone()
-            assert torch.equal(replayed, eager), f"m={m} trial={trial}"
+        graph, eager = check_graph_replay(
+            layer, _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=100 + m),
+            [_inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=200 + 10 * m + trial)
+             for trial in range(3)], f"m={m}")
         # Switching to the prefill plan on the same scratch, then back, stays correct.
         xl, idsl, wl = _inputs(300, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=7)
         _run(layer, xl, idsl, wl)
@@ -416,22 +403,9 @@ def test_sqg_e4m3_layer(bits, mma):
             base = out if base is None else base
             assert torch.equal(out, base), f"{name}: M={M} differs from M=8"
     for m in (1, 8):
-        x, ids, w = _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=500 + m)
-        bound = layer.bind(x, ids, w)
-        bound.run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            bound.run()
-        x2, ids2, w2 = _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=600 + m)
-        x.copy_(x2)
-        ids.copy_(ids2)
-        w.copy_(w2)
-        layer.output.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = layer.output[:m].clone()
-        assert torch.equal(replayed, _run(layer, x, ids, w)), f"m={m}: replay != eager"
+        check_graph_replay(
+            layer, _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=500 + m),
+            [_inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=600 + m)], f"m={m}")
 
 
 def test_sqg_e4m3_reference_geometry_1536_tokens():
