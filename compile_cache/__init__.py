@@ -8,8 +8,11 @@ Public API (everything else is internal):
 - :func:`make_key` -- ``(sha256 hex, components)`` of one specialization.
 - :class:`CompileCacheMiss` (a RuntimeError) and :class:`CompileCacheWarning`.
 
+- :func:`format_entries` -- the human-readable listing of the disk entries.
+
 ``python -m kquant_cute.compile_cache --list`` prints the disk entries. Module layout:
-``keys`` (what is keyed), ``store`` (files on disk), ``cache`` (policy), ``__main__`` (CLI).
+``keys`` (what is keyed), ``store`` (files on disk), ``cache`` (policy), ``listing`` (the
+entry listing both CLIs print), ``__main__`` (CLI).
 Importing this package imports neither torch nor cutlass.
 """
 
@@ -25,6 +28,7 @@ from .cache import (
     resolve_cache_dir,
 )
 from .keys import CACHE_FORMAT_VERSION, KEYED_ENV_VARS, hash_sources, make_key, toolchain_versions
+from .listing import format_entries
 
 __all__ = [
     "CACHE_FORMAT_VERSION",
@@ -35,6 +39,7 @@ __all__ = [
     "CompileCacheMiss",
     "CompileCacheWarning",
     "default_cache",
+    "format_entries",
     "hash_sources",
     "make_key",
     "parse_freeze_env",

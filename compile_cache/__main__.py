@@ -11,15 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from .cache import CompileCache
-
-
-def _fmt_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
+from .listing import format_entries
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,18 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1, sort_keys=True))
         return 0
-    print(f"{cache.directory}: {len(rows)} entries")
-    for m in rows:
-        if m["status"] != "ok":
-            print(f"  {m['key'][:16]}  CORRUPT  {m.get('error', '')}")
-            continue
-        extra = m.get("extra") or {}
-        res = " ".join(f"{k}={extra[k]}" for k in ("registers", "shared_bytes", "spill_bytes") if k in extra)
-        spec = json.dumps(m.get("spec"), sort_keys=True, separators=(",", ":"))
-        print(
-            f"  {m['key'][:16]}  {m.get('name')}  {m.get('arch')}  {_fmt_bytes(m['payload']['size'])}"
-            f"  {m.get('compile_seconds', 0):.2f}s  {m.get('created_utc', '')}  {res}  {spec}"
-        )
+    print(format_entries(rows, cache.directory))
     return 0
 
 

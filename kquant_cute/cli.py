@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any, Optional, TextIO
 
 from . import trellis as fmt
-from .compile_cache import CompileCache, CompileCacheWarning
+from .compile_cache import CompileCache, CompileCacheWarning, format_entries
 from .compile_cache.cache import ENV_DIR
 from .environment import ConfigurationError, check_environment
 from .kernels.moe import MoESpec
@@ -61,7 +61,7 @@ _DTYPE_ALIASES = {
     "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32",
 }
 
-__all__ = ["main", "build_parser", "format_table", "format_entries"]
+__all__ = ["main", "build_parser", "format_table"]
 
 
 class _UsageError(Exception):
@@ -245,31 +245,15 @@ def _totals(records: Sequence[PrewarmRecord], wall: float, cache: CompileCache,
             f"cache {where} ({cache.disk_mode})")
 
 
-def format_entries(entries: Sequence[dict[str, Any]], directory: Optional[str]) -> str:
-    """Human-readable ``--list``: one line per disk entry."""
-    lines = [f"{directory}: {len(entries)} entries"]
-    for m in entries:
-        key = str(m.get("key", ""))[:16]
-        if m.get("status") != "ok":
-            lines.append(f"  {key}  CORRUPT  {m.get('error', '')}")
-            continue
-        spec = m.get("spec") or {}
-        extra = m.get("extra") or {}
-        size = (m.get("payload") or {}).get("size", 0)
-        if "block_m" in spec:
-            what = (f"M={spec['block_m']:<2} E={spec.get('num_experts')} H={spec.get('hidden')} "
-                    f"I={spec.get('intermediate')} top{spec.get('topk')} K{spec.get('bits')} "
-                    f"{spec.get('codebook')} {spec.get('act_dtype')}->{spec.get('out_dtype')} "
-                    f"{spec.get('activation')}{' shared' if spec.get('shared_hidden_vectors') else ' perexp'}"
-                    f"{' map' if spec.get('has_expert_map') else ''}")
-        else:
-            what = json.dumps(spec, sort_keys=True, separators=(",", ":"))
-        lines.append(
-            f"  {key}  {m.get('name')}  {m.get('arch'):<8} {what}  regs={_num(extra.get('registers'))} "
-            f"smem={_num(extra.get('shared_bytes'))} spill={_num(extra.get('spill_bytes'))}  "
-            f"{size / 1024:.0f} KiB  built in {m.get('compile_seconds', 0):.2f} s  {m.get('created_utc', '')}"
-        )
-    return "\n".join(lines)
+def _spec_text(spec: dict[str, Any]) -> Optional[str]:
+    """A fused-forward spec in a ``--list`` line (None for another kernel's: its JSON)."""
+    if "block_m" not in spec:
+        return None
+    return (f"M={spec['block_m']:<2} E={spec.get('num_experts')} H={spec.get('hidden')} "
+            f"I={spec.get('intermediate')} top{spec.get('topk')} K{spec.get('bits')} "
+            f"{spec.get('codebook')} {spec.get('act_dtype')}->{spec.get('out_dtype')} "
+            f"{spec.get('activation')}{' shared' if spec.get('shared_hidden_vectors') else ' perexp'}"
+            f"{' map' if spec.get('has_expert_map') else ''}")
 
 
 # -- main -------------------------------------------------------------------------------
@@ -387,9 +371,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     cache = _open_cache(args, create=not (args.list or args.frozen or (args.clear and not args.sm)))
     if args.list:
         entries = cache.entries()
-        text = format_entries(entries, cache.directory)
-        if cache.directory is not None and not os.path.lexists(cache.directory):
-            text += " (the directory does not exist)"
+        text = format_entries(entries, cache.directory, _spec_text)
         print(json.dumps(entries, indent=1, sort_keys=True) if args.json else text, file=out)
         return EXIT_OK
     if args.clear:

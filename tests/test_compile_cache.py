@@ -555,8 +555,8 @@ def test_entries_clear_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
     assert cli_main(["--dir", str(tmp_path), "--list"]) == 0
     out = capsys.readouterr().out
-    assert "3 entries" in out and "CORRUPT" in out and "gemm" in out and "registers=40" in out
-    assert "shared_bytes=1024" in out and "spill_bytes=0" in out
+    assert "3 entries" in out and "CORRUPT" in out and "gemm" in out and "regs=40" in out
+    assert "smem=1,024" in out and "spill=0" in out
     # ... which are the keys the real build writes.
     from kquant_cute.kernels.build import resource_summary
 
@@ -721,3 +721,25 @@ def test_eight_processes_two_layers_compile_each_key_once(tmp_path: Path) -> Non
     assert sum(r["compiles"] for r in results) == 2, results  # each key once
     assert sum(r["disk_loads"] for r in results) >= 2 * n - 2
     assert len(list((tmp_path / "cc").glob("*.json"))) == 2
+
+
+def test_format_entries_lines(tmp_path: Path) -> None:
+    """The listing both CLIs print: a header, one line per entry (the caller's spec summary
+    or the spec's JSON), CORRUPT for a bad entry, a note for a missing directory."""
+    from kquant_cute.compile_cache import format_entries
+
+    ok = {"key": "ab" * 32, "status": "ok", "name": "gemm", "arch": "sm_90a", "spec": {"bm": 64},
+          "extra": {"registers": 40, "shared_bytes": 2048}, "payload": {"size": 3072},
+          "compile_seconds": 1.5, "created_utc": "T"}
+    bad = {"key": "cd" * 32, "status": "corrupt", "error": "checksum"}
+    text = format_entries([ok, bad], str(tmp_path))
+    assert text.splitlines() == [
+        f"{tmp_path}: 2 entries",
+        f"  {'ab' * 8}  gemm  sm_90a   {{\"bm\":64}}  regs=40 smem=2,048 spill=-  3 KiB  built in 1.50 s  T",
+        f"  {'cd' * 8}  CORRUPT  checksum"]
+    named = format_entries([ok], str(tmp_path), lambda spec: f"M={spec['bm']}")
+    assert named.splitlines()[1].split()[3] == "M=64"
+    assert format_entries([ok], str(tmp_path), lambda spec: None) == text.splitlines()[0].replace(
+        "2 entries", "1 entries") + "\n" + text.splitlines()[1]
+    assert format_entries([], str(tmp_path / "gone")) == (
+        f"{tmp_path / 'gone'}: 0 entries (the directory does not exist)")
