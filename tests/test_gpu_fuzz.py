@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from kquant_cute.kernels.moe import MoESpec
+
 pytestmark = pytest.mark.gpu
 
 SEED = int(os.environ.get("KQUANT_FUZZ_SEED", "2026"))
@@ -33,18 +35,11 @@ GEOMETRIES = 30
 
 @dataclass(frozen=True)
 class Geometry:
-    num_experts: int
-    hidden: int
-    intermediate: int
-    topk: int
-    bits: int
-    codebook: str
-    act_dtype: str
-    out_dtype: str
-    activation: str
-    shared: bool
+    """One fuzzed layer: its specialization (`MoESpec`, block_m 8 as `layer_spec` makes it;
+    the plans replace block_m and arch) and what a spec does not hold."""
+
+    spec: MoESpec
     num_global: int | None  # expert map over this many global ids, or None
-    mma: str
     pin: int  # pinned prefill M, 0 = decode plan only
     capacity: int
 
@@ -57,15 +52,17 @@ def geometries(seed: int = SEED, count: int = GEOMETRIES, wgmma: bool = True) ->
         e = rng.choice([1, 2, 3, 5, 8, 12, 16, 33])
         num_global = rng.choice([None, None, e + rng.randint(0, 9)])
         ids = e if num_global is None else num_global
-        out.append(Geometry(
+        spec = MoESpec(
             num_experts=e, hidden=128 * rng.randint(1, 4), intermediate=128 * rng.randint(1, 3),
             topk=rng.randint(1, min(8, ids)), bits=rng.randint(2, 6),
-            codebook=rng.choice(["mcg", "3inst", "mul1"]),
+            codebook=rng.choice(["mcg", "3inst", "mul1"]), block_m=8,
             act_dtype=rng.choice(["bfloat16", "float16"]),
             out_dtype=rng.choice(["float32", "bfloat16", "float16"]),
-            activation=rng.choice(["silu", "situ"]), shared=rng.random() < 0.5,
-            num_global=num_global, mma=rng.choice(["sync", "wgmma"]) if wgmma else "sync",
-            pin=rng.choice([0, 16, 32, 48, 64]), capacity=rng.randint(8, 320)))
+            activation=rng.choice(["silu", "situ"]), shared_hidden_vectors=rng.random() < 0.5,
+            has_expert_map=num_global is not None)
+        mma = rng.choice(["sync", "wgmma"]) if wgmma else "sync"
+        out.append(Geometry(spec=spec.replace(mma=mma), num_global=num_global,
+                            pin=rng.choice([0, 16, 32, 48, 64]), capacity=rng.randint(8, 320)))
     return out
 
 
@@ -79,17 +76,13 @@ def _env(g: Geometry) -> dict:
     return {"KQUANT_W4A16_PREFILL_BLOCK_M": str(g.pin), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
 
 
-def _spec(g: Geometry):
-    from types import SimpleNamespace
+def _weights(g: Geometry, seed: int, device=None):
+    from kquant_cute.weights import MoEWeights
 
-    from kquant_cute.layer import layer_spec
-
-    shape = SimpleNamespace(num_experts=g.num_experts, hidden=g.hidden,
-                            intermediate=g.intermediate, bits=g.bits, codebook=g.codebook,
-                            shared_hidden_vectors=g.shared)
-    return layer_spec(shape, topk=g.topk, act_dtype=_torch_dtype(g.act_dtype),
-                      out_dtype=_torch_dtype(g.out_dtype), activation=g.activation,
-                      num_global_experts=g.num_global, mma=g.mma)
+    s = g.spec
+    return MoEWeights.random(s.num_experts, s.hidden, s.intermediate, s.bits, s.codebook,
+                             shared_hidden_vectors=s.shared_hidden_vectors, seed=seed,
+                             device=device)
 
 
 def _prewarm_one(args):
@@ -97,7 +90,7 @@ def _prewarm_one(args):
     from kquant_cute.compiler import plan_forward
     from kquant_cute.planners import resolve_env
 
-    plan = plan_forward(_spec(g), capacity=g.capacity, arch=arch, env=resolve_env(_env(g)))
+    plan = plan_forward(g.spec, capacity=g.capacity, arch=arch, env=resolve_env(_env(g)))
     return [s.block_m for s in plan.specs()]
 
 
@@ -114,14 +107,14 @@ def prewarm(arch: str = "sm_90", jobs: int = 2, seed: int = SEED) -> None:
 
 def _routing(rng, torch, m, g, emap):
     """(kind, ids [m, topk] int32) for one case."""
-    n_ids = g.num_global or g.num_experts
+    n_ids = g.num_global or g.spec.num_experts
     kind = rng.choice(["random", "random", "duplicates", "minus_one", "one_expert"])
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    ids = torch.rand(m, n_ids, generator=gen).argsort(dim=1)[:, :g.topk].to(torch.int32)
-    if kind == "duplicates" and g.topk > 1:
+    ids = torch.rand(m, n_ids, generator=gen).argsort(dim=1)[:, :g.spec.topk].to(torch.int32)
+    if kind == "duplicates" and g.spec.topk > 1:
         ids[:, -1] = ids[:, 0]
     elif kind == "minus_one":
-        ids[torch.rand(m, g.topk, generator=gen) < 0.3] = -1
+        ids[torch.rand(m, g.spec.topk, generator=gen) < 0.3] = -1
     elif kind == "one_expert":
         ids[:] = rng.randrange(n_ids)
     return kind, ids
@@ -129,7 +122,7 @@ def _routing(rng, torch, m, g, emap):
 
 def _expert_map(rng, torch, g):
     """A random global -> local map: -1 entries and several globals per local expert."""
-    emap = torch.tensor([rng.randrange(-1, g.num_experts) for _ in range(g.num_global)],
+    emap = torch.tensor([rng.randrange(-1, g.spec.num_experts) for _ in range(g.num_global)],
                         dtype=torch.int32)
     return emap
 
@@ -139,7 +132,6 @@ def test_fuzz_against_fp64_reference():
 
     from kquant_cute.layer import MoELayer
     from kquant_cute.reference import reference_moe
-    from kquant_cute.weights import MoEWeights
 
     wgmma = torch.cuda.get_device_capability() == (9, 0)
     gs = geometries(SEED, wgmma=wgmma)
@@ -148,27 +140,27 @@ def test_fuzz_against_fp64_reference():
     specs, counts, failures, worst = set(), {}, [], 0.0
     cases = 0
     for gi, g in enumerate(gs):
-        wts = MoEWeights.random(g.num_experts, g.hidden, g.intermediate, g.bits, g.codebook,
-                                shared_hidden_vectors=g.shared, seed=SEED + gi, device="cuda")
-        layer = MoELayer(wts, topk=g.topk, capacity=g.capacity,
-                         act_dtype=_torch_dtype(g.act_dtype), out_dtype=_torch_dtype(g.out_dtype),
-                         activation=g.activation, num_global_experts=g.num_global, mma=g.mma,
+        s = g.spec
+        wts = _weights(g, SEED + gi, device="cuda")
+        layer = MoELayer(wts, topk=s.topk, capacity=g.capacity,
+                         act_dtype=_torch_dtype(s.act_dtype), out_dtype=_torch_dtype(s.out_dtype),
+                         activation=s.activation, num_global_experts=g.num_global, mma=s.mma,
                          environ=_env(g))
+        # The layer plans the fuzz's spec (what --prewarm compiled), on this GPU's arch.
+        assert layer.plan.base == s.replace(arch=layer.plan.base.arch), (layer.plan.base, s)
         specs.update(layer.plan.specs())
-        tol = 1e-2 if "bfloat16" in (g.act_dtype, g.out_dtype) else 3e-3
+        tol = 1e-2 if "bfloat16" in (s.act_dtype, s.out_dtype) else 3e-3
         for ci in range(per):
             if ci:  # fresh weight values in the layer's own tensors (same geometry)
-                fresh = MoEWeights.random(g.num_experts, g.hidden, g.intermediate, g.bits,
-                                          g.codebook, shared_hidden_vectors=g.shared,
-                                          seed=rng.randrange(2**31))
+                fresh = _weights(g, rng.randrange(2**31))
                 for name, t in fresh.tensors():
                     getattr(wts, name).copy_(t)
             m = rng.choice([0, 1, g.capacity, rng.randint(1, g.capacity), rng.randint(1, 16)])
             emap = _expert_map(rng, torch, g) if g.num_global else None
             kind, ids = _routing(rng, torch, m, g, emap)
             gen = torch.Generator().manual_seed(rng.randrange(2**31))
-            x = torch.randn(m, g.hidden, generator=gen).to(_torch_dtype(g.act_dtype))
-            w = torch.rand(m, g.topk, generator=gen)
+            x = torch.randn(m, s.hidden, generator=gen).to(_torch_dtype(s.act_dtype))
+            w = torch.rand(m, s.topk, generator=gen)
             x, ids, w = x.cuda(), ids.cuda(), w.cuda()
             kw = {} if emap is None else {"expert_map": emap.cuda()}
             layer.output.fill_(float("nan"))
@@ -178,7 +170,7 @@ def test_fuzz_against_fp64_reference():
             block = bound.block_m if m else 0
             counts[(kind, block)] = counts.get((kind, block), 0) + 1
             cases += 1
-            ref = reference_moe(x, ids, w, wts, activation=g.activation, dtype=torch.float64,
+            ref = reference_moe(x, ids, w, wts, activation=s.activation, dtype=torch.float64,
                                 **kw)
             where = f"geometry {gi} {g} case {ci}: m={m} {kind} M={block}"
             if torch.isnan(out).any():
