@@ -30,6 +30,12 @@ host sync). `MoELayer(stream_arenas=True)` gives each stream its own arena (allo
 the first `bind` on that stream, outside graph capture); a binding then runs only on the
 stream it was bound on. During CUDA-graph capture nothing is checked or recorded: order
 graph replays against eager forwards of the same arena yourself.
+
+The op: a layer registers itself in `kquant_cute.ops` at construction (`layer.handle`), and
+`layer(x, topk_ids, topk_weights)` runs through `torch.ops.kquant.moe_forward` with the
+arena as its declared-mutated `scratch` argument, so torch.compile traces a call without a
+graph break and CUDA graphs capture it (`op_forward` is the op's implementation for this
+layer: the same `bind(...).run()`).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import Optional
 
 import torch
 
-from . import trellis
+from . import ops, trellis
 from .compile_cache import default_cache
 from .compiler import ForwardPlan, plan_forward
 from .environment import ConfigurationError, check_environment
@@ -178,6 +184,38 @@ class MoELayer:
         else:
             self._table = torch.zeros(16, dtype=torch.uint8, device=self.device)
         self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.handle = ops.register(self)
+
+    # -- the op interface (kquant_cute.ops) --------------------------------------------
+    @property
+    def hidden(self) -> int:
+        return self.weights.hidden
+
+    def check_scratch(self, scratch: torch.Tensor) -> None:
+        """Shape-level check of the op's scratch argument (also on fake tensors)."""
+        if scratch.dtype != torch.uint8 or tuple(scratch.shape) != (self.scratch.nbytes,):
+            raise ValueError(f"scratch must be one of this layer's arenas (uint8 "
+                             f"[{self.scratch.nbytes}]), got {scratch.dtype} "
+                             f"{tuple(scratch.shape)}")
+
+    def _arena_of(self, scratch: torch.Tensor) -> "_Arena":
+        ptr = scratch.data_ptr()
+        for stream, arena in self._arenas.items():
+            if arena.buffer.data_ptr() == ptr:
+                if self.stream_arenas and stream != torch.cuda.current_stream(self.device).cuda_stream:
+                    raise RuntimeError(
+                        f"scratch is the arena of stream {stream:#x} (stream_arenas=True); "
+                        "pass the current stream's arena")
+                return arena
+        raise ValueError(f"scratch (data_ptr {ptr:#x}) is not an arena of this layer")
+
+    def op_forward(self, x, topk_ids, topk_weights, out, scratch, expert_map, *,
+                   check_ids: bool, wait_for_previous: bool) -> None:
+        """`torch.ops.kquant.moe_forward`'s implementation for this layer: bind on the
+        arena `scratch` and launch (`check_ids`: the host id check unless capturing)."""
+        self.bind(x, topk_ids, topk_weights, out=out, expert_map=expert_map,
+                  check_ids=None if check_ids else False,
+                  _arena=self._arena_of(scratch)).run(wait_for_previous=wait_for_previous)
 
     def _arena_for_current_stream(self) -> "_Arena":
         if not self.stream_arenas:
@@ -216,7 +254,7 @@ class MoELayer:
 
     def bind(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
              out: Optional[torch.Tensor] = None, expert_map: Optional[torch.Tensor] = None,
-             check_ids: Optional[bool] = None) -> "BoundForward":
+             check_ids: Optional[bool] = None, _arena: Optional["_Arena"] = None) -> "BoundForward":
         """Validate inputs and return a launchable binding (views and pointers only).
 
         `check_ids` (default: True unless a CUDA graph is being captured) verifies that
@@ -231,7 +269,7 @@ class MoELayer:
         self._check_input("x", x, self.act_dtype, (m, H))
         self._check_input("topk_ids", topk_ids, torch.int32, (m, self.topk))
         self._check_input("topk_weights", topk_weights, torch.float32, (m, self.topk))
-        arena = self._arena_for_current_stream()
+        arena = self._arena_for_current_stream() if _arena is None else _arena
         if out is None:
             out = arena.output[:m]
         self._check_input("out", out, self.out_dtype, (m, H))
@@ -271,9 +309,23 @@ class MoELayer:
     def _stream_key(self):
         return torch.cuda.current_stream(self.device).cuda_stream if self.stream_arenas else None
 
-    def __call__(self, x, topk_ids, topk_weights, *, wait_for_previous: bool = False,
-                 **kw) -> torch.Tensor:
-        return self.bind(x, topk_ids, topk_weights, **kw).run(wait_for_previous=wait_for_previous)
+    def __call__(self, x, topk_ids, topk_weights, *, out: Optional[torch.Tensor] = None,
+                 expert_map: Optional[torch.Tensor] = None, check_ids: Optional[bool] = None,
+                 wait_for_previous: bool = False) -> torch.Tensor:
+        """The forward through `torch.ops.kquant.moe_forward`; returns `out` (default: a
+        view of the arena's output buffer, valid until the next forward on it).
+        `check_ids=False` skips the host id check (it is skipped while capturing anyway)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError("x must be a 2-D tensor [m, hidden]")
+        arena = self._arena_for_current_stream()
+        if out is None:
+            if not 0 <= x.shape[0] <= self.capacity:
+                raise ValueError(f"token count {x.shape[0]} outside 0..{self.capacity} "
+                                 "(the layer's capacity)")
+            out = arena.output[:x.shape[0]]
+        ops.moe_forward(x, topk_ids, topk_weights, out, arena.buffer, expert_map, self.handle,
+                        check_ids is not False, wait_for_previous)
+        return out
 
 
 def _check_uniform_storage(weights: MixedMoEWeights) -> None:

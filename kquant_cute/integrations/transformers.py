@@ -12,7 +12,9 @@ This module owns the bridge between transformers' sparse MoE blocks and kquant_c
   :meth:`kquant_cute.weights.MoEWeights.from_experts`;
 * :class:`TrellisExperts` / :func:`replace_experts` -- a drop-in for the block's
   ``experts`` module: the fused :class:`kquant_cute.layer.MoELayer` on CUDA, the torch
-  reference (:func:`kquant_cute.reference.reference_moe`) on the CPU;
+  reference (:class:`kquant_cute.ops.ReferenceMoELayer`) on the CPU, both called through
+  the registered op ``torch.ops.kquant.moe_forward``, so ``torch.compile(fullgraph=True)``
+  traces a model whole;
 * :func:`dequantize_into` -- the dense dequantized weights written back into an original
   experts module (the comparison model the checks run against);
 * :class:`RoutingLog` -- the router decisions each experts module received, recorded from
@@ -32,6 +34,7 @@ computation. The fused forward takes int32 ids and fp32 router weights (converte
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import json
 import re
@@ -42,7 +45,7 @@ import torch
 from torch import nn
 
 from .. import trellis as tc
-from ..reference import reference_moe
+from ..ops import ReferenceMoELayer, moe_forward
 from ..weights import MoEWeights, TrellisLinear
 
 __all__ = [
@@ -428,11 +431,6 @@ def load_quantized(path: str, device: torch.device | str = "cpu",
 # --------------------------------------------------------------------------------------
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 class TrellisExperts(nn.Module):
     """Routed experts of one MoE block on trellis-coded weights.
 
@@ -441,7 +439,12 @@ class TrellisExperts(nn.Module):
     Backend ``"fused"`` runs :class:`kquant_cute.layer.MoELayer` (CUDA weights; token counts
     above ``capacity`` run in chunks of ``capacity``; capture-safe: the layer's plans are
     compiled and its buffers allocated here, at construction); ``"reference"`` runs
-    :func:`kquant_cute.reference.reference_moe` in fp32 on any device.
+    :func:`kquant_cute.reference.reference_moe` in fp32 on any device. Either way the
+    forward calls ``torch.ops.kquant.moe_forward`` (:mod:`kquant_cute.ops`) with the layer's
+    handle and arena (a non-persistent buffer, ``_scratch``), and reads no tensor data on
+    the host outside the op: torch.compile traces it without a graph break, and CUDA graphs
+    (``mode="reduce-overhead"``, :class:`GraphDecoder`) capture it. A deep copy builds its
+    own layer.
 
     The weights are a plain attribute, not parameters or buffers, so ``model.to(dtype)``
     cannot cast the fp16 rotation vectors; move the model before replacing.
@@ -465,13 +468,51 @@ class TrellisExperts(nn.Module):
         self.intermediate_dim = weights.intermediate
         self.top_k, self.activation, self.backend = topk, activation, backend
         self.check_ids = check_ids
-        self.layer = None
+        self._layer_options = dict(layer_options)
         if backend == "fused":
             from ..layer import MoELayer  # local: the CPU path never imports the DSL
 
             self.layer = MoELayer(weights, topk=topk, capacity=capacity, act_dtype=act_dtype,
                                   out_dtype=torch.float32, activation=activation,
                                   **layer_options)
+            scratch = self.layer.arena
+        else:
+            self.layer = ReferenceMoELayer(weights, topk=topk, activation=activation)
+            scratch = self.layer.scratch
+        self._bind_op(scratch)
+
+    def _bind_op(self, scratch: torch.Tensor) -> None:
+        """What a traced forward reads: the op handle and capacity as plain ints and the
+        arena as a non-persistent buffer with a static address (CUDA-graph trees may then
+        keep its in-place writes inside a graph)."""
+        self._handle = self.layer.handle
+        self._capacity = self.layer.capacity
+        self._act_dtype = self.layer.act_dtype
+        self.register_buffer("_scratch", scratch, persistent=False)
+        if scratch.is_cuda:
+            torch._dynamo.mark_static_address(scratch)
+
+    def __deepcopy__(self, memo):
+        """A copy is a new module on its own layer (a new op handle): a fused layer's
+        plans and arena are not copied, the copy builds its own."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k in ("layer", "_buffers"):
+                continue
+            new.__dict__[k] = copy.deepcopy(v, memo)
+        new.__dict__["_buffers"] = {}
+        if self.backend == "fused":
+            from ..layer import MoELayer
+
+            new.layer = MoELayer(new.weights, topk=self.top_k, capacity=self.layer.capacity,
+                                 act_dtype=self.layer.act_dtype, out_dtype=torch.float32,
+                                 activation=self.activation, **self._layer_options)
+            new._bind_op(new.layer.arena)
+        else:
+            new.layer = copy.deepcopy(self.layer, memo)
+            new._bind_op(new.layer.scratch)
+        return new
 
     def extra_repr(self) -> str:
         w = self.weights
@@ -488,25 +529,25 @@ class TrellisExperts(nn.Module):
         for name, v in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
             if tuple(v.shape) != (t, self.top_k):
                 raise ValueError(f"{name} must be [{t}, {self.top_k}], got {tuple(v.shape)}")
-        ids = top_k_index.to(torch.int32)
-        wts = top_k_weights.to(torch.float32)
-        if self.layer is None:
-            y = reference_moe(hidden_states, ids, wts, self.weights, activation=self.activation,
-                              dtype=torch.float32)
-            return y.to(hidden_states.dtype)
-        out = torch.empty_like(hidden_states)
-        if t == 0:
-            return out
-        x = hidden_states.to(self.layer.act_dtype)
-        cap = self.layer.capacity
-        # Capture-safe: MoELayer skips its id check (a host read) while capturing.
-        check = None if self.check_ids else False
-        for s in range(0, t, cap):
-            e = min(t, s + cap)
-            y = self.layer(_aligned(x[s:e]), _aligned(ids[s:e]), _aligned(wts[s:e]),
-                           check_ids=check)
-            out[s:e].copy_(y)
-        return out
+        # Traceable by torch.compile as it stands (no data_ptr, no host read): the op's
+        # fake implementation checks shapes, a compiled graph keeps the call whole.
+        ids = top_k_index.to(torch.int32).contiguous()
+        wts = top_k_weights.to(torch.float32).contiguous()
+        x = hidden_states if self._act_dtype is None else hidden_states.to(self._act_dtype)
+        x = x.contiguous()
+        out = torch.empty((t, self.hidden_dim), dtype=torch.float32, device=x.device)
+        cap = self._capacity
+        if cap is None or t <= cap:
+            moe_forward(x, ids, wts, out, self._scratch, None, self._handle, self.check_ids)
+        else:  # chunks of the capacity; rows of H (a multiple of 128) keep x and out aligned
+            for s in range(0, t, cap):
+                e = min(t, s + cap)
+                cid, cwt = ids[s:e], wts[s:e]
+                if (s * self.top_k * 4) % 16:  # the kernels read 16-byte aligned rows
+                    cid, cwt = cid.clone(), cwt.clone()
+                moe_forward(x[s:e], cid, cwt, out[s:e], self._scratch, None, self._handle,
+                            self.check_ids)
+        return out.to(hidden_states.dtype)
 
 
 def replace_experts(model: nn.Module, experts: Mapping[str, MoEWeights], *,
