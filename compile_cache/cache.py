@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import errno
 import datetime as _dt
 import hashlib
@@ -68,6 +69,9 @@ __all__ = [
 ENV_DIR = "KQUANT_COMPILE_CACHE_DIR"
 ENV_FREEZE = "KQUANT_COMPILE_FREEZE"
 #: Private temp directories of memory-only builds (``kquant_cc_<pid>_<rand>``).
+#: A lock wait longer than this is reported (CacheResult.waited): another process was
+#: building the entry; shorter ones are ordinary lock traffic.
+_WAIT_NOTED = 0.05
 _MEMORY_TMP_RE = re.compile(r"^kquant_cc_(?:(?P<pid>[0-9]+)_)?[A-Za-z0-9_]+$")
 
 #: ``build()`` returns ``(payload bytes, extra JSON metadata such as registers/smem)``.
@@ -115,6 +119,8 @@ class CacheResult:
     meta: dict[str, Any]
     #: Wall seconds this call spent (build + write + load, or load, or ~0 for memory).
     seconds: float
+    #: Seconds spent waiting for another process's lock on this key (it was building it).
+    waited: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -280,7 +286,9 @@ class CompileCache:
         self._store = DiskStore(self._directory, format_version=_keys.CACHE_FORMAT_VERSION)
         self._mode = "rw"
         if mode == "ro":
-            self._degrade(reason or "directory not writable", "ro")
+            # A read-only cache that serves every lookup is a normal serving setup: the
+            # warning waits for a compile that could not be kept (see _build).
+            self._degrade(reason or "directory not writable", "ro", warn=False)
         else:
             self._store.sweep_temps()
 
@@ -320,22 +328,29 @@ class CompileCache:
         finally:
             self.freeze(previous)
 
-    def _degrade(self, reason: str, mode: DiskMode) -> None:
-        """Drop to ``mode`` and emit the one CompileCacheWarning this object ever emits for it."""
+    def _degrade(self, reason: str, mode: DiskMode, *, warn: bool = True) -> None:
+        """Drop to ``mode`` and (``warn``) emit the one CompileCacheWarning this object ever
+        emits for it."""
         with self._mu:
             self._mode = mode
             if mode == "off":
                 self._store = None
             self._degraded_reason = reason
-            if self._warned_degraded:
+        if warn:
+            self._warn_degraded()
+
+    def _warn_degraded(self) -> None:
+        with self._mu:
+            if self._warned_degraded or self._degraded_reason is None:
                 return
             self._warned_degraded = True
+            reason, mode = self._degraded_reason, self._mode
         keeps = "existing entries are still read, new compiles" if mode == "ro" else "compiled kernels"
         warnings.warn(
             f"kquant compile cache: {reason}; {keeps} are kept in memory only "
             f"(set {ENV_DIR} to a writable directory to persist them)",
             CompileCacheWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
     # -- keys ------------------------------------------------------------------------
@@ -427,11 +442,13 @@ class CompileCache:
             self._check_may_compile(name, spec, arch, key)
             store = self._store
             if self._mode == "rw" and store is not None:
+                t_lock = time.perf_counter()
                 with store.lock(key, timeout=self._lock_timeout):
+                    waited = time.perf_counter() - t_lock
                     # Re-check: another process may have built it while we waited.
                     got, _ = self._from_disk(key, name, load, t0, may_delete=True, known_bad=bad)
                     if got is not None:
-                        return got
+                        return dataclasses.replace(got, waited=waited) if waited > _WAIT_NOTED else got
                     self._check_may_compile(name, spec, arch, key)
                     return self._build(key, components, name, spec, arch, options, build, load, t0)
             return self._build(key, components, name, spec, arch, options, build, load, t0)
@@ -618,6 +635,7 @@ class CompileCache:
                     raise
                 self._remember(key, value, entry.meta)
                 return CacheResult(value, "compiled", key, dict(entry.meta), time.perf_counter() - t0)
+        self._warn_degraded()  # this compile is kept in memory only
         # Memory only: hand load() a private temp file with the same metadata layout.
         meta.update(
             format=_keys.CACHE_FORMAT_VERSION,
@@ -709,8 +727,9 @@ class CompileCache:
         if self._mode != "rw" or store is None:
             raise PermissionError(
                 errno.EACCES,
-                f"cannot clear the compile cache: {self._directory} is not writable "
-                f"({self._degraded_reason or 'read-only'}); its entries were left in place",
+                f"cannot clear the compile cache: "
+                f"{self._degraded_reason or f'{self._directory} is read-only'}; "
+                "its entries were left in place",
                 self._directory,
             )
         try:

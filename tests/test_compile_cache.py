@@ -451,15 +451,29 @@ def test_readonly_dir_reads_entries_and_keeps_new_ones_in_memory(
     assert sorted(os.listdir(tmp_path)) == before
 
 
+def test_readonly_dir_that_serves_every_lookup_does_not_warn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only serving cache is normal: no warning until a compile cannot be kept."""
+    _, _, _ = _entry(tmp_path)
+    monkeypatch.setattr(cc_cache, "probe_directory",
+                        lambda path, **kw: ("ro", f"{path} is not writable (simulated)"))
+    c = Counter(payload=bytes(range(256)) * 8)
+    (ro, hit), msgs = _count_cc_warnings(lambda: (r := CompileCache(tmp_path), _get(r, c)))
+    assert msgs == [] and hit.status == "disk" and ro.disk_mode == "ro" and c.builds == 0
+    (new, msgs) = _count_cc_warnings(lambda: _get(ro, c, spec={"bm": 1}))
+    assert new.status == "compiled" and len(msgs) == 1 and "not writable" in msgs[0]
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions; covered by the simulated test")
 def test_readonly_dir_for_real(tmp_path: Path) -> None:  # pragma: no cover - runs as non-root only
     d = tmp_path / "ro"
     d.mkdir()
     d.chmod(0o500)
     try:
-        (cache, _), msgs = _count_cc_warnings(lambda: (CompileCache(d), None))
-        assert len(msgs) == 1 and cache.disk_mode == "ro"
-        assert _get(cache, Counter()).status == "compiled"
+        (cache, status), msgs = _count_cc_warnings(
+            lambda: (c := CompileCache(d), _get(c, Counter()).status))
+        assert len(msgs) == 1 and cache.disk_mode == "ro" and status == "compiled"
     finally:
         d.chmod(0o700)
 
@@ -743,3 +757,25 @@ def test_format_entries_lines(tmp_path: Path) -> None:
         "2 entries", "1 entries") + "\n" + text.splitlines()[1]
     assert format_entries([], str(tmp_path / "gone")) == (
         f"{tmp_path / 'gone'}: 0 entries (the directory does not exist)")
+
+
+def test_a_wait_for_another_builder_is_reported(tmp_path: Path) -> None:
+    """Two caches on one directory (as two processes): the one that waited on the other's
+    file lock while it built gets the entry from disk and says how long it waited."""
+    started = threading.Event()
+
+    class Slow(Counter):
+        def build(self) -> tuple[bytes, dict]:
+            started.set()
+            time.sleep(0.5)
+            return super().build()
+
+    builder, waiter = Slow(), Counter()
+    first = {}
+    t = threading.Thread(target=lambda: first.update(r=_get(CompileCache(tmp_path), builder)))
+    t.start()
+    assert started.wait(10)
+    second = _get(CompileCache(tmp_path), waiter)
+    t.join()
+    assert first["r"].status == "compiled" and first["r"].waited == 0.0
+    assert second.status == "disk" and second.waited > 0.2 and waiter.builds == 0
