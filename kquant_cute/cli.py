@@ -8,7 +8,7 @@ what to compile is :mod:`kquant_cute.prewarm`'s job and how entries are stored i
     kquant-compile --sm 90 --sm 120 --experts 8 --hidden 256 --intermediate 256 --topk 2
     kquant-compile --sm 90 --json       # machine-readable records on stdout
     kquant-compile --sm 120 --describe  # also print the planner's describe() per arch
-    kquant-compile --sm 90 --pair       # only the seed's plan pair (MoELayer(banded=False))
+    kquant-compile --sm 90 --pair       # only the decode/prefill pair (MoELayer(banded=False))
     kquant-compile --list               # the cache entries (no compiling)
     kquant-compile --clear [--sm ...]   # empty the cache (then compile, if --sm is given)
     kquant-compile --frozen             # compile nothing: verify the cache is warm
@@ -19,8 +19,11 @@ could not be written to the cache directory; 2 for usage errors (bad flag, inval
 geometry, invalid ``KQUANT_W4A16_PREFILL_BLOCK_M`` / ``KQUANT_W4A16_PREFILL_MIN_M`` /
 ``KQUANT_COMPILE_CACHE_DIR`` / ``KQUANT_COMPILE_FREEZE``: every KQUANT_* variable is
 checked at startup by :mod:`kquant_cute.environment`). Rejected fallback candidates are fine.
-A valid ``KQUANT_COMPILE_FREEZE`` is ignored (this tool exists to compile); use ``--frozen``.
-Needs no GPU: every arch is cross-compiled.
+A valid ``KQUANT_COMPILE_FREEZE`` is ignored (this tool exists to compile); use ``--frozen``
+(exit 1 when a planned specialization is missing or corrupt: every one is listed). A
+geometry no kernel implements on a requested arch (e.g. a mixed-rate profile on sm_120) is
+a usage error, exit 2. Needs no GPU: every arch is cross-compiled; `--help` and usage
+errors answer without importing torch or cutlass.
 """
 
 from __future__ import annotations
@@ -33,43 +36,33 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any, Optional, TextIO
+from typing import TYPE_CHECKING, Any, Optional, TextIO
 
-from . import trellis as fmt
+# The CLI's own start, for the totals line (a shell's time before exec is not ours).
+_STARTED = time.perf_counter()
+
+# Only light modules at import time: `--help` and usage errors answer without loading
+# torch or cutlass (the planning modules are imported in `_run`).
 from .compile_cache import CompileCache, CompileCacheWarning, format_entries
 from .compile_cache.cache import ENV_DIR
+from .defaults import DEFAULT_CAPACITY, REFERENCE_LAYER
 from .environment import ConfigurationError, check_environment
-from .kernels.moe import MoESpec
-from .planners import arch_limits, normalize_arch, resolve_env
-from .prewarm import (
-    DEFAULT_CAPACITY,
-    DEFAULT_GEOMETRY,
-    ArchPrewarm,
-    PrewarmEvent,
-    PrewarmRecord,
-    needed_failures,
-    prewarm_plans,
-)
+from .kernels.format import HADAMARD_BLOCK
+from .planners import arch_limits, known_archs, normalize_arch, resolve_env
+
+if TYPE_CHECKING:
+    from .kernels.moe import MoESpec
+    from .prewarm import ArchPrewarm, PrewarmEvent, PrewarmRecord
 
 PROG = "kquant-compile"
 DEFAULT_SM = "120"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-_DTYPE_ALIASES = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "f16": "float16", "half": "float16", "float16": "float16",
-    "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32",
-}
 
 __all__ = ["main", "build_parser", "format_table"]
 
 
 class _UsageError(Exception):
     """A problem with the command line or the environment: exit status 2."""
-
-
-def _dtype(text: str) -> str:
-    return _DTYPE_ALIASES.get(text.strip().lower(), text)
 
 
 def _positive_int(text: str) -> int:
@@ -82,31 +75,44 @@ def _positive_int(text: str) -> int:
     return value
 
 
+#: Dtype spellings the flags accept -> MoESpec's names; messages use the short ones.
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "f16": "float16", "half": "float16", "float16": "float16",
+    "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32",
+}
+_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (defaults: the BRIEF's Kimi-K3 TP8 shard, sm_120, 8192 tokens)."""
-    g = DEFAULT_GEOMETRY
+    """The argument parser (defaults: the reference geometry, sm_120, 8192 tokens). The
+    geometry flags default to None so a flag given explicitly can be told from the default."""
+    g = REFERENCE_LAYER
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Compile (cross-compile, no GPU needed) every specialization the W4A16 "
         "trellis MoE planner binds for a layer shape, into the kquant compile cache.",
         epilog="Exit status: 0 ok; 1 a needed specialization (decode or chosen prefill) "
-        "failed or could not be persisted; 2 usage / environment error.",
+        "failed or could not be persisted, or (--frozen) one is missing; 2 usage / "
+        "environment error or a geometry no kernel implements.",
     )
     p.add_argument("--sm", action="append", metavar="SM",
-                   help="target SM, repeatable: 90, 100, 120 (also 80/86/89, sm_90a...); "
+                   help="target SM, repeatable: 90, 100, 120 (also 80, 86, 89; sm_90, sm_90a); "
                    f"default {DEFAULT_SM}")
-    geo = p.add_argument_group("layer geometry (default: Kimi-K3 TP8 shard)")
-    geo.add_argument("--experts", type=_positive_int, default=g.num_experts, help=f"experts E (default {g.num_experts})")
-    geo.add_argument("--hidden", type=_positive_int, default=g.hidden, help=f"hidden size H (default {g.hidden})")
-    geo.add_argument("--intermediate", type=_positive_int, default=g.intermediate,
-                     help=f"intermediate size I per rank (default {g.intermediate})")
-    geo.add_argument("--topk", type=_positive_int, default=g.topk, help=f"experts per token (default {g.topk})")
-    geo.add_argument("--bits", type=_positive_int, default=g.bits, help=f"trellis bits per weight K (default {g.bits})")
-    geo.add_argument("--codebook", default=g.codebook, help=f"mcg, 3inst, mul1 or sqg_e4m3 (default {g.codebook})")
-    geo.add_argument("--act-dtype", type=_dtype, default=g.act_dtype, help=f"bf16 or fp16 (default {g.act_dtype})")
-    geo.add_argument("--out-dtype", type=_dtype, default=g.out_dtype,
-                     help=f"fp32, bf16 or fp16 (default {g.out_dtype})")
-    geo.add_argument("--activation", default=g.activation, help=f"silu or situ (default {g.activation})")
+    geo = p.add_argument_group("layer geometry (default: one TP8 shard of Kimi-K3)")
+    for flag, field, what in (("--experts", "num_experts", "experts E"),
+                              ("--hidden", "hidden", "hidden size H"),
+                              ("--intermediate", "intermediate", "intermediate size I per rank"),
+                              ("--topk", "topk", "experts per token"),
+                              ("--bits", "bits", "trellis bits per weight K")):
+        geo.add_argument(flag, type=_positive_int, default=None, help=f"{what} (default {g[field]})")
+    geo.add_argument("--codebook", default=None,
+                     help=f"mcg, 3inst, mul1 or sqg_e4m3 (default {g['codebook']})")
+    geo.add_argument("--act-dtype", default=None,
+                     help=f"bf16 or fp16 (default {_SHORT_DTYPE[g['act_dtype']]})")
+    geo.add_argument("--out-dtype", default=None,
+                     help=f"fp32, bf16 or fp16 (default {_SHORT_DTYPE[g['out_dtype']]})")
+    geo.add_argument("--activation", default=None, help=f"silu or situ (default {g['activation']})")
     geo.add_argument("--profile", default=None, metavar="NAME",
                      help="a QSRT layer profile instead of --bits / --codebook: "
                      "k2_coupled_h512_h128 (Kimi-K3's production profile: sqg_e4m3 K=2, coupled "
@@ -115,12 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     geo.add_argument("--per-expert-vectors", action="store_true",
                      help="per-expert hidden-side suh/svh (EXL3) instead of shared ones (Kimi-K3)")
     geo.add_argument("--expert-map", action="store_true", help="with a global->local expert map (EP)")
-    geo.add_argument("--stages", type=_positive_int, default=g.stages,
-                     help=f"GEMM cp.async pipeline stages (default {g.stages})")
+    geo.add_argument("--stages", type=_positive_int, default=None,
+                     help="GEMM cp.async pipeline stages (default: the kernel's)")
     p.add_argument("--capacity", type=_positive_int, default=DEFAULT_CAPACITY,
                    help=f"most tokens per call the plans serve (default {DEFAULT_CAPACITY})")
     p.add_argument("--pair", action="store_true",
-                   help="only the seed's plan pair of MoELayer(banded=False) (decode + prefill M); "
+                   help="only the decode/prefill pair plan of MoELayer(banded=False); "
                    "default: MoELayer's default plan (banded, also every accepted M between "
                    "the two, except for sqg_e4m3)")
     p.add_argument("--cache-dir", help="cache directory (overrides KQUANT_COMPILE_CACHE_DIR)")
@@ -164,6 +170,8 @@ class _Progress:
             what = f"failed: {ev.error}"
         else:
             what = {"disk": "cached (disk)", "memory": "cached (memory)"}.get(ev.answer or "", ev.answer)
+            if ev.waited:
+                what += f" after waiting {ev.waited:.1f} s for another process building it"
         line = f"{count} {ev.arch} M={ev.block_m}: {what} ({ev.seconds:.2f} s)"
         if self.tty:
             self._write(f"{self._bar(ev.index, ev.bound)} {line}")
@@ -216,32 +224,16 @@ def format_table(records: Sequence[PrewarmRecord]) -> str:
     return "\n".join(lines)
 
 
-_IMPORTED_AT = time.time()
-
-
-def process_wall_seconds() -> float:
-    """Wall seconds since this process started (Linux: /proc; elsewhere: since this module
-    was imported, which misses only the interpreter's own start-up)."""
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return time.time() - _IMPORTED_AT
-
-
 def _totals(records: Sequence[PrewarmRecord], wall: float, cache: CompileCache,
-            process: Optional[float] = None) -> str:
+            since_start: Optional[float] = None) -> str:
     counts = {s: sum(r.status == s for r in records) for s in ("compiled", "cached", "rejected", "failed")}
     builds = sum(r.cache == "compiled" for r in records)
     where = cache.directory or "memory only"
-    process = process_wall_seconds() if process is None else process
+    since_start = time.perf_counter() - _STARTED if since_start is None else since_start
     return (f"totals: {counts['compiled']} compiled, {counts['cached']} cached, "
             f"{counts['rejected']} rejected, {counts['failed']} failed "
             f"(builds this run: {builds}); {wall:.2f} s planning and compiling, "
-            f"{process:.2f} s wall since the process started (imports included); "
+            f"{since_start:.2f} s wall since {PROG} started (imports included); "
             f"cache {where} ({cache.disk_mode})")
 
 
@@ -257,11 +249,25 @@ def _spec_text(spec: dict[str, Any]) -> Optional[str]:
 
 
 # -- main -------------------------------------------------------------------------------
+def _dtype_field(flag: str, text: Optional[str], default: str, allowed: Sequence[str]) -> str:
+    """MoESpec's name of the dtype a flag gives (its default when not given)."""
+    if text is None:
+        return default
+    name = _DTYPE_ALIASES.get(text.strip().lower())
+    if name not in allowed:
+        raise _UsageError(f"{flag} {text}: not one of "
+                          f"{', '.join(_SHORT_DTYPE[a] for a in allowed)}")
+    return name
+
+
 def _profile_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The MoESpec fields a `--profile` sets (none without one). The profile table is
-    `kquant_cute.qsrt.PROFILES`; a flag that contradicts the profile is a usage error."""
+    """The MoESpec fields --bits / --codebook or a --profile set. The profile table is
+    `kquant_cute.qsrt.PROFILES`; a flag given with a profile must agree with it (a flag
+    left out never contradicts it, one given always counts, default value or not)."""
+    g = REFERENCE_LAYER
     if args.profile is None:
-        return {"bits": args.bits, "codebook": args.codebook}
+        return {"bits": g["bits"] if args.bits is None else args.bits,
+                "codebook": g["codebook"] if args.codebook is None else args.codebook}
     from . import qsrt
 
     prof = qsrt.PROFILES.get(args.profile)
@@ -274,10 +280,8 @@ def _profile_fields(args: argparse.Namespace) -> dict[str, Any]:
         from .qsrt_mixed import RATE_SET
 
         rates, bits = {"bits_set": RATE_SET}, RATE_SET[-1]
-    g = DEFAULT_GEOMETRY
-    for flag, value, default, wanted in (("--bits", args.bits, g.bits, bits),
-                                         ("--codebook", args.codebook, g.codebook, "sqg_e4m3")):
-        if value not in (default, wanted):
+    for flag, value, wanted in (("--bits", args.bits, bits), ("--codebook", args.codebook, "sqg_e4m3")):
+        if value is not None and value != wanted:
             raise _UsageError(f"{flag} {value} contradicts --profile {args.profile} "
                               f"({flag} {wanted})")
     if prof.coupled and args.per_expert_vectors:
@@ -286,14 +290,28 @@ def _profile_fields(args: argparse.Namespace) -> dict[str, Any]:
     return {"bits": bits, "codebook": "sqg_e4m3", "coupled": prof.coupled, **rates}
 
 
+#: MoESpec field -> the flag that sets it (reasons from MoESpec.check name fields).
+_FLAG_OF = {"num_experts": "--experts", "hidden": "--hidden", "intermediate": "--intermediate",
+            "topk": "--topk", "bits": "--bits", "codebook": "--codebook",
+            "act_dtype": "--act-dtype", "out_dtype": "--out-dtype", "activation": "--activation",
+            "stages": "--stages"}
+
+
 def _geometry(args: argparse.Namespace) -> MoESpec:
-    return DEFAULT_GEOMETRY.replace(
-        num_experts=args.experts, hidden=args.hidden, intermediate=args.intermediate,
-        topk=args.topk, act_dtype=args.act_dtype,
-        out_dtype=args.out_dtype, activation=args.activation,
-        shared_hidden_vectors=not args.per_expert_vectors, has_expert_map=args.expert_map,
-        stages=args.stages, **_profile_fields(args),
-    )
+    from .kernels.moe import ACT_DTYPES, OUT_DTYPES
+    from .prewarm import DEFAULT_GEOMETRY
+
+    g = REFERENCE_LAYER
+    fields: dict[str, Any] = {
+        "act_dtype": _dtype_field("--act-dtype", args.act_dtype, g["act_dtype"], ACT_DTYPES),
+        "out_dtype": _dtype_field("--out-dtype", args.out_dtype, g["out_dtype"], OUT_DTYPES),
+        "shared_hidden_vectors": not args.per_expert_vectors, "has_expert_map": args.expert_map,
+    }
+    for field in ("num_experts", "hidden", "intermediate", "topk", "activation", "stages"):
+        value = getattr(args, _FLAG_OF[field][2:].replace("-", "_"))
+        if value is not None:
+            fields[field] = value
+    return DEFAULT_GEOMETRY.replace(**fields, **_profile_fields(args))
 
 
 def _archs(sms: Optional[Sequence[str]]) -> list[str]:
@@ -301,8 +319,10 @@ def _archs(sms: Optional[Sequence[str]]) -> list[str]:
     for sm in sms or [DEFAULT_SM]:
         try:
             name = normalize_arch(sm)
-        except ValueError as exc:
-            raise _UsageError(f"--sm {sm}: {exc}") from None
+        except ValueError:
+            numbers = ", ".join(a.removeprefix("sm_") for a in known_archs())
+            raise _UsageError(f"--sm {sm}: unknown GPU architecture; use one of {numbers} "
+                              "(also spelled sm_90 or sm_90a)") from None
         if name not in out:
             out.append(name)
     return out
@@ -316,39 +336,83 @@ def _open_cache(args: argparse.Namespace, *, create: bool = True) -> CompileCach
         raise _UsageError(str(exc)) from None
 
 
-#: MoESpec field -> the flag that sets it (reasons from MoESpec.check name fields).
-_FLAG_OF = {"num_experts": "--experts", "hidden": "--hidden", "intermediate": "--intermediate",
-            "topk": "--topk", "bits": "--bits", "codebook": "--codebook",
-            "act_dtype": "--act-dtype", "out_dtype": "--out-dtype", "activation": "--activation",
-            "stages": "--stages"}
 _FIELD_RE = re.compile(r"(?<![\w-])(" + "|".join(_FLAG_OF) + r")(?!\w)")
+_TUPLE_RE = re.compile(r"\(((?:'[^']*'|\d+)(?:, (?:'[^']*'|\d+))*),?\)")
+_QUOTED_RE = re.compile(r"'([^'\s]*)'")
 
 
 def _flagged(reason: str) -> str:
-    """A MoESpec.check reason with its field names replaced by the flags that set them."""
-    return _FIELD_RE.sub(lambda m: _FLAG_OF[m.group(1)], reason)
+    """A MoESpec.check reason in command-line words: field names become the flags that set
+    them, Python tuples plain lists, quoted values bare."""
+    reason = _FIELD_RE.sub(lambda m: _FLAG_OF[m.group(1)], reason)
+    reason = _TUPLE_RE.sub(lambda m: m.group(1), reason)
+    return _QUOTED_RE.sub(lambda m: m.group(1), reason)
+
+
+#: Size flags an absurd value of which gets a plain bound: flag -> (MoESpec field, step).
+_SIZE_FLAGS = {"--experts": ("num_experts", 1), "--hidden": ("hidden", HADAMARD_BLOCK),
+               "--intermediate": ("intermediate", HADAMARD_BLOCK)}
+
+
+def _largest_valid(base: MoESpec, field: str, step: int, smem: int) -> Optional[int]:
+    """The largest multiple of `step` below `base`'s value of `field` that MoESpec.check
+    accepts with every other field as given (None when not even `step` is), by bisection:
+    the sizes' checks (shared memory, 32-bit indexing) only grow with the value."""
+    def ok(v: int) -> bool:
+        return base.replace(**{field: v}).check(smem_limit=smem) is None
+
+    lo, hi = step, getattr(base, field)
+    if not ok(lo):
+        return None
+    while hi - lo > step:
+        mid = lo + (hi - lo) // (2 * step) * step
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _size_bound(args: argparse.Namespace, base: MoESpec, smem: int) -> Optional[str]:
+    """For a geometry MoESpec.check rejects: the size flag whose value alone is too large
+    (the one furthest above its default first), with its largest accepted value."""
+    given = [(flag, field, step) for flag, (field, step) in _SIZE_FLAGS.items()
+             if getattr(args, field if field != "num_experts" else "experts") is not None]
+    given.sort(key=lambda t: -getattr(base, t[1]) / REFERENCE_LAYER[t[1]])
+    if base.coupled:  # the coupled latent transform works on blocks of 512 channels
+        given = [(f, fd, 512 if fd == "hidden" else st) for f, fd, st in given]
+    for flag, field, step in given:
+        bound = _largest_valid(base, field, step, smem)
+        if bound is None:
+            continue
+        over = base.replace(**{field: bound + step}).check(smem_limit=smem) or ""
+        return (f"{flag} must be at most {bound:,} with the other flags as given "
+                f"({flag} {bound + step:,}: {_flagged(over)})")
+    return None
 
 
 def _check_flags(args: argparse.Namespace, base: MoESpec, archs: Sequence[str]) -> None:
     """The library's checks (MoESpec.check, MoELayer's capacity and top-k rules), with
-    messages that name the flags; raises _UsageError."""
-    for flag, value in (("--hidden", args.hidden), ("--intermediate", args.intermediate)):
-        if value % fmt.HADAMARD_BLOCK:
+    messages that name the flags and echo what was typed; raises _UsageError."""
+    for flag, value in (("--hidden", base.hidden), ("--intermediate", base.intermediate)):
+        if value % HADAMARD_BLOCK:
             raise _UsageError(f"invalid geometry: {flag} {value} is not a positive multiple of "
-                              f"{fmt.HADAMARD_BLOCK} (the Hadamard block)")
-    if not args.expert_map and args.topk > args.experts:
-        raise _UsageError(f"invalid geometry: --topk {args.topk} is above --experts {args.experts} "
-                          "(a token routes to top-k distinct experts; with --expert-map the ids "
-                          "are global and may outnumber the local experts)")
+                              f"{HADAMARD_BLOCK} (the Hadamard block)")
+    if not args.expert_map and base.topk > base.num_experts:
+        raise _UsageError(f"invalid geometry: --topk {base.topk} is above --experts "
+                          f"{base.num_experts} (a token routes to top-k distinct experts; with "
+                          "--expert-map the ids are global and may outnumber the local experts)")
     for arch in archs:
-        reason = base.replace(arch=arch).check(smem_limit=arch_limits(arch).smem_per_block_optin)
+        smem = arch_limits(arch).smem_per_block_optin
+        reason = base.replace(arch=arch).check(smem_limit=smem)
         if reason is not None:
-            raise _UsageError(f"invalid geometry for {arch}: {_flagged(reason)}")
+            bound = _size_bound(args, base.replace(arch=arch), smem)
+            raise _UsageError(f"invalid geometry for {arch}: {bound or _flagged(reason)}")
     if args.capacity > base.max_tokens():
         raise _UsageError(
             f"--capacity {args.capacity:,} is above {base.max_tokens():,} tokens, the most whose "
-            f"scratch indices stay in 32-bit range at --topk {args.topk} and "
-            f"max(--hidden, --intermediate) {max(args.hidden, args.intermediate):,}")
+            f"scratch indices stay in 32-bit range at --topk {base.topk} and "
+            f"max(--hidden, --intermediate) {max(base.hidden, base.intermediate):,}")
 
 
 def _check_env(args: argparse.Namespace) -> None:
@@ -367,8 +431,10 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.clear and args.frozen:
         raise _UsageError("--clear and --frozen contradict each other")
     _check_env(args)
-    # Listing, checking (--frozen) and clearing never create a missing directory.
-    cache = _open_cache(args, create=not (args.list or args.frozen or (args.clear and not args.sm)))
+    # Listing, checking (--frozen) and clearing never create a missing directory. A clear
+    # that fails says why in its error; the cache's own warning would say it twice.
+    with warnings.catch_warnings(record=args.clear) as opened:
+        cache = _open_cache(args, create=not (args.list or args.frozen or (args.clear and not args.sm)))
     if args.list:
         entries = cache.entries()
         text = format_entries(entries, cache.directory, _spec_text)
@@ -380,6 +446,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         except OSError as exc:
             print(f"{PROG}: error: {exc.strerror or exc}", file=err)
             return EXIT_FAILED
+        for w in opened or ():
+            _show_warning(w.message, w.category, w.filename, w.lineno, err)
         msg = f"removed {removed} entries from {cache.directory or 'memory'}"
         if not args.sm:
             print(json.dumps({"removed": removed, "directory": cache.directory}) if args.json else msg, file=out)
@@ -387,6 +455,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"{PROG}: {msg}", file=err)
 
     archs = _archs(args.sm)
+    from .prewarm import needed_failures, prewarm_plans  # the planning modules (cutlass)
+
     try:
         env = resolve_env()
     except ValueError as exc:
@@ -424,10 +494,15 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
               "CUDA_HOME); their geometry is unchecked", file=err)
     status = EXIT_OK
     failures = needed_failures(records)
+    if args.frozen:  # a frozen process binds the band sizes too: each missing one counts
+        failures += [r for r in records if r.status == "failed" and not r.needed]
     for r in failures:
         print(f"{PROG}: error: {r.arch}: the {r.role} specialization M={r.block_m} "
               f"{'failed' if r.status == 'failed' else 'was rejected'}: {r.reason}", file=err)
         status = EXIT_FAILED
+    if args.frozen and failures:
+        print(f"{PROG}: {len(failures)} specializations are missing or unusable; run "
+              f"{PROG} without --frozen (same flags) to compile them", file=err)
     for res in results:
         if res.error and not any(r.arch == res.arch for r in failures):
             print(f"{PROG}: error: {res.arch}: {res.error}", file=err)

@@ -9,8 +9,8 @@ failed; seconds), read from the cache's own :class:`~kquant_cute.compile_cache.C
 objects. It re-implements neither the route-size policy, the fallback walk nor the
 validity predicate.
 
-- :data:`DEFAULT_GEOMETRY`: the BRIEF's Kimi-K3 TP8 shard (E=896, H=3584, I=384, top-16,
-  K=4, MCG, bf16 in, fp32 out, SiTU, shared hidden-side vectors).
+- :data:`DEFAULT_GEOMETRY`: the reference geometry, one TP8 shard of Kimi-K3 (E=896,
+  H=3584, I=384, top-16, K=4, MCG, bf16 in, fp32 out, SiTU, shared hidden-side vectors).
 - :func:`prewarm`: a flat list of :class:`PrewarmRecord`.
 - :func:`prewarm_plans`: the same per arch, with the plan (for ``describe()``).
 
@@ -26,9 +26,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
 from .compile_cache import CompileCache, CompileCacheMiss, default_cache
-from .compiler import CacheOutcome, ForwardPlan, compile_plan
+from .compiler import CacheOutcome, ForwardPlan, compile_plan, geometry_check
+from .defaults import DEFAULT_CAPACITY, REFERENCE_LAYER
 from .kernels.moe import MoESpec
-from .planners import DECODE_BLOCK_M, PlanEnv, candidate_bound, normalize_arch, resolve_env
+from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, arch_limits, candidate_bound,
+                        normalize_arch, plan_routes, resolve_env)
 from .planners.plans import CandidateRole
 
 __all__ = [
@@ -43,26 +45,9 @@ __all__ = [
     "prewarm_plans",
 ]
 
-#: Tokens the default plans are sized for (the BRIEF's largest benchmark point, doubled).
-DEFAULT_CAPACITY = 8192
-
-#: One TP8 shard of Kimi-K3 (BRIEF sections 1 and 8); ``block_m`` / ``arch`` are replaced
-#: per planned specialization.
-DEFAULT_GEOMETRY = MoESpec(
-    num_experts=896,
-    hidden=3584,
-    intermediate=384,
-    topk=16,
-    bits=4,
-    codebook="mcg",
-    block_m=DECODE_BLOCK_M,
-    act_dtype="bfloat16",
-    out_dtype="float32",
-    activation="situ",
-    shared_hidden_vectors=True,
-    has_expert_map=False,
-    arch="sm_90a",
-)
+#: The reference geometry (:data:`kquant_cute.defaults.REFERENCE_LAYER`, one TP8 shard of
+#: Kimi-K3); ``block_m`` / ``arch`` are replaced per planned specialization.
+DEFAULT_GEOMETRY = MoESpec(**REFERENCE_LAYER, block_m=DECODE_BLOCK_M, arch="sm_90a")
 
 #: What the plan uses the specialization for (``planners.RoutePlan.role``).
 Role = CandidateRole
@@ -140,6 +125,8 @@ class PrewarmEvent:
     answer: Optional[str] = None
     seconds: float = 0.0
     error: Optional[str] = None
+    #: Seconds the cache call waited for another process building the same entry.
+    waited: float = 0.0
 
 
 ProgressFn = Callable[[PrewarmEvent], None]
@@ -204,9 +191,9 @@ class _Counter:
         return self.index
 
     def done(self, arch: str, block_m: int, index: int, answer: str, seconds: float,
-             error: Optional[str]) -> None:
+             error: Optional[str], waited: float = 0.0) -> None:
         self._emit(PrewarmEvent("done", arch, block_m, index, self.bound,
-                                time.perf_counter() - self._t0, answer, seconds, error))
+                                time.perf_counter() - self._t0, answer, seconds, error, waited))
 
 
 def _record(arch: str, plan: ForwardPlan, block_m: int) -> PrewarmRecord:
@@ -248,9 +235,61 @@ def _record(arch: str, plan: ForwardPlan, block_m: int) -> PrewarmRecord:
     )
 
 
+def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
+                   banded: Optional[bool], cache: CompileCache) -> Optional[ArchPrewarm]:
+    """A frozen cache's check of every specialization the plan would bind; None when none
+    is missing. The planner asks about each size as it would when compiling; a size the
+    cache lacks (or holds corrupt) is recorded as failed and taken as the one the plan
+    binds (a frozen cache never falls back to a narrower M), so the walk stops there and
+    every other planned size is still asked: the report lists all of them, not the first."""
+    banded = spec.default_banded() if banded is None else banded
+    misses: dict[int, CompileCacheMiss] = {}
+
+    def check(block_m: int) -> GeometryVerdict:
+        s = spec.replace(block_m=block_m)
+        if s.check(smem_limit=arch_limits(arch).smem_per_block_optin) is not None:
+            return geometry_check(s, cache)  # a static rejection asks no cache
+        try:
+            return geometry_check(s, cache)
+        except CompileCacheMiss as exc:
+            misses[block_m] = exc
+            return GeometryVerdict(block_m=block_m, ok=True)
+
+    route = plan_routes(capacity, spec.topk, spec.num_experts, env, check, banded=banded)
+    if not misses:
+        return None
+    # What is on disk under each missing key: a corrupt entry, or one that does not load.
+    corrupt = {str(e.get("key")): str(e.get("error", "its object does not load"))
+               for e in cache.entries()}
+    records = []
+    for m in [DECODE_BLOCK_M] + [c.block_m for c in route.candidates if c.block_m != DECODE_BLOCK_M]:
+        verdict, kernel = route.verdict(m), spec.replace(block_m=m).kernel_name()
+        miss = misses.get(m)
+        if miss is not None:
+            why = corrupt.get(miss.key)
+            reason = (f"corrupt cache entry {miss.key[:16]} ({why})" if why is not None
+                      else f"not in the cache (key {miss.key[:16]})")
+            records.append(PrewarmRecord(arch=arch, block_m=m, role=route.role(m), status="failed",
+                                         reason=reason, kernel=kernel, key=miss.key))
+            continue
+        records.append(PrewarmRecord(
+            arch=arch, block_m=m, role=route.role(m),
+            status="cached" if verdict.ok else "rejected", reason=verdict.reason,
+            registers=verdict.registers, shared_bytes=verdict.smem_bytes,
+            spill_bytes=verdict.spills, cache="disk" if verdict.measured is not None else None,
+            kernel=kernel, measured=verdict.measured))
+    error = (f"{len(misses)} planned specializations (M={', '.join(map(str, sorted(misses)))}) "
+             "are missing from the frozen cache or corrupt")
+    return ArchPrewarm(arch=arch, plan=None, records=records, error=error)
+
+
 def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv, banded: Optional[bool],
                   cache: CompileCache, counter: _Counter) -> ArchPrewarm:
     spec = base.replace(arch=arch)
+    if cache.is_frozen:  # report every missing specialization, then plan as usual
+        missing = _frozen_misses(spec, arch, capacity, env, banded, cache)
+        if missing is not None:
+            return missing
     started: dict[int, int] = {}
 
     def observe(s: MoESpec, outcome: Optional[CacheOutcome]) -> None:
@@ -259,7 +298,8 @@ def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv, banded:
             return
         answer = outcome.result.status if outcome.result is not None else "failed"
         error = error_text(outcome.error) if outcome.error is not None else None
-        counter.done(arch, s.block_m, started[s.block_m], answer, outcome.seconds, error)
+        waited = outcome.result.waited if outcome.result is not None else 0.0
+        counter.done(arch, s.block_m, started[s.block_m], answer, outcome.seconds, error, waited)
 
     try:
         plan = compile_plan(spec, capacity=capacity, arch=arch, env=env, cache=cache,

@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -292,12 +293,32 @@ def test_frozen_checks_without_compiling(warm: dict[str, Any], tmp_path: Path) -
     rc, out, _ = run_main(["--sm", "90", "--sm", "120", *SMALL, "--cache-dir", str(warm["dir"]),
                            "--frozen"])
     assert rc == 0 and "0 compiled, 4 cached" in out
-    rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(tmp_path), "--frozen"])
+    rc, out, err = run_main(["--sm", "90", "--sm", "120", *SMALL, "--cache-dir", str(tmp_path),
+                             "--frozen"])
     assert rc == 1
-    # The first miss (the widest prefill candidate) stops the walk: a frozen cache never
-    # silently falls back to a narrower block.
-    assert "prefill" in err and "CompileCacheMiss" in err
+    # Every planned specialization of both archs is listed, not only the first miss; the
+    # prefill walk stops at the missing widest candidate (a frozen cache never silently
+    # falls back to a narrower block).
+    for arch in ("sm_90a", "sm_120a"):
+        assert f"error: {arch}: the decode specialization M=8 failed: not in the cache" in err
+        assert f"error: {arch}: the prefill specialization M=64 failed: not in the cache" in err
+    assert "4 specializations are missing or unusable" in err
     assert list(tmp_path.glob("*.bin")) == []
+
+
+def test_frozen_calls_a_corrupt_entry_corrupt(warm: dict[str, Any], tmp_path: Path) -> None:
+    scratch = copy_cache(warm["dir"], tmp_path / "c")
+    rc, out, _ = run_main(["--sm", "120", *SMALL, "--cache-dir", str(scratch), "--json", "-q"])
+    assert rc == 0
+    decode = next(r for r in json.loads(out) if r["block_m"] == 8)
+    payload = scratch / f"{decode['key']}.bin"
+    payload.write_bytes(payload.read_bytes()[:100])  # truncated
+    rc, out, err = run_main(["--sm", "120", *SMALL, "--cache-dir", str(scratch), "--frozen"])
+    assert rc == 1
+    assert (f"the decode specialization M=8 failed: corrupt cache entry {decode['key'][:16]}"
+            in err), err
+    assert "prefill" not in err  # the prefill entry is intact
+    assert payload.stat().st_size == 100  # --frozen changes nothing on disk
 
 
 def test_progress_tty_uses_carriage_returns() -> None:
@@ -443,6 +464,10 @@ def test_cli_clear_on_readonly_cache_fails(warm: dict[str, Any], tmp_path: Path,
     rc, out, err = run_main(["--clear", "--cache-dir", str(scratch)])
     assert rc == 1 and "removed" not in out
     assert f"cannot clear the compile cache: {scratch} is not writable" in err
+    assert err.count("not writable") == 1, err  # the reason once
+    # The same read-only cache serving a warm shape: nothing to compile, nothing to warn.
+    rc, out, err = run_main(["--sm", "90", "--sm", "120", *SMALL, "--cache-dir", str(scratch)])
+    assert rc == 0 and "warning" not in err and "0 compiled, 4 cached" in out, err
     assert sorted(p.name for p in scratch.iterdir()) == before
 
 
@@ -451,7 +476,7 @@ def test_list_and_frozen_on_missing_dir_do_not_create_it(tmp_path: Path) -> None
     rc, out, _ = run_main(["--list", "--cache-dir", str(missing)])
     assert rc == 0 and "0 entries (the directory does not exist)" in out
     rc, _, err = run_main(["--sm", "120", *SMALL, "--frozen", "--cache-dir", str(missing)])
-    assert rc == 1 and "CompileCacheMiss" in err
+    assert rc == 1 and "the decode specialization M=8 failed: not in the cache" in err
     assert not missing.exists()
 
 
@@ -460,15 +485,25 @@ def test_list_and_frozen_on_missing_dir_do_not_create_it(tmp_path: Path) -> None
     (["--topk", "9"], "--topk 9 is above --experts 8"),
     (["--hidden", "200"], "--hidden 200 is not a positive multiple of 128"),
     (["--intermediate", "100"], "--intermediate 100 is not a positive multiple of 128"),
-    (["--bits", "7"], "--bits 7 outside 2..6 for --codebook 'mcg'"),
-    (["--act-dtype", "int8"], "--act-dtype 'int8' not in"),
+    (["--bits", "7"], "--bits 7 outside 2..6 for --codebook mcg"),
+    (["--act-dtype", "int8"], "--act-dtype int8: not one of bf16, fp16"),
+    (["--act-dtype", "fp32"], "--act-dtype fp32: not one of bf16, fp16"),
+    (["--out-dtype", "FP8"], "--out-dtype FP8: not one of fp32, bf16, fp16"),
+    (["--codebook", "foo"], "--codebook foo has no mma decode path (supported: mcg, 3inst"),
+    (["--activation", "relu"], "--activation relu not in silu, situ"),
     (["--topk", "65", "--experts", "80"], "--topk 65 > 64"),
+    (["--experts", "1" + "0" * 26], "--experts must be at most "),
+    (["--hidden", "1" + "0" * 20], "--hidden must be at most "),
+    (["--sm", "9.0"], "--sm 9.0: unknown GPU architecture; use one of 80, 86, 89, 90, 100, 120"),
 ])
 def test_cli_validates_like_the_library_naming_flags(tmp_path: Path, argv: list[str], want: str) -> None:
     rc, out, err = run_main(["--sm", "120", *SMALL, *argv, "--cache-dir", str(tmp_path)])
     assert rc == 2 and out == "", err
     assert want in err
     assert "k_dim" not in err and "n_dim" not in err and "num_experts" not in err
+    assert "('" not in err and "'" not in err  # no Python tuples or reprs
+    # A plain bound: no absurd figure (the sizes above once gave 27-digit byte counts).
+    assert not re.search(r"\d{1,3}(,\d{3}){4,}|\d{13,}", err), err
     assert list(tmp_path.glob("*.json")) == []
 
 
@@ -484,9 +519,19 @@ def test_progress_and_totals_explain_themselves(warm: dict[str, Any]) -> None:
     outer = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.startswith("totals:"))
-    wall = float(line.split(" s wall since the process started")[0].rsplit(" ", 1)[1])
-    # The process's real wall time (imports included: > 1 s here), not just the cache calls.
+    wall = float(line.split(" s wall since kquant-compile started")[0].rsplit(" ", 1)[1])
+    # The CLI's real wall time (imports included: > 1 s here), not just the cache calls.
     assert 0.5 * outer <= wall <= outer + 0.05, (wall, outer, line)
+    # ... counted from the CLI's own start: a shell's sleep before exec is not in it.
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        ["sh", "-c", 'sleep 2; exec "$0" -m kquant_cute.cli "$@"', sys.executable, "--sm", "120",
+         *SMALL, "--cache-dir", str(warm["dir"])],
+        capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    outer = time.monotonic() - t0
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("totals:"))
+    wall = float(line.split(" s wall since kquant-compile started")[0].rsplit(" ", 1)[1])
+    assert wall <= outer - 1.9, (wall, outer, line)
 
 
 def test_profile_compiles_the_qsrt_production_layer(tmp_path: Path) -> None:
@@ -519,3 +564,20 @@ def test_profile_compiles_the_qsrt_production_layer(tmp_path: Path) -> None:
     assert rc == 2 and "--bits 3 contradicts --profile k2_coupled_h512_h128" in err
     rc, _, err = run_main(["--sm", "90", "--profile", "nope", "--cache-dir", str(tmp_path)])
     assert rc == 2 and "unknown QSRT profile" in err
+    # A flag given with a profile counts even when it equals the flag's default value.
+    for flag, value, want in (("--bits", "4", "--bits 2"), ("--codebook", "mcg", "--codebook sqg_e4m3")):
+        rc, out, err = run_main(["--sm", "90", *geo, "--profile", "k2_coupled_h512_h128", flag,
+                                 value, "--cache-dir", str(tmp_path)])
+        assert rc == 2 and out == "" and (f"{flag} {value} contradicts --profile "
+                                          f"k2_coupled_h512_h128 ({want})") in err, err
+
+
+def test_help_answers_without_torch_or_cutlass() -> None:
+    code = ("import sys, contextlib, io; from kquant_cute.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out: rc = main(['--help'])\n"
+            "heavy = sorted(m for m in ('torch', 'cutlass', 'numpy') if m in sys.modules)\n"
+            "assert rc == 0 and not heavy, (rc, heavy)\n"
+            "assert '--experts' in out.getvalue() and '(default 896)' in out.getvalue()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
