@@ -27,8 +27,7 @@ from cutlass import Float32, Int32, Uint32
 
 from kquant_cute.kernels import ptx
 from kquant_cute.kernels.bring import DEFAULT_STAGES, K_STEPS_PER_STAGE, b_stage_bytes
-from kquant_cute.kernels.decode import (TABLE_BYTES, lane_words, persistent_grid, stage_table,
-                                        table_bytes)
+from kquant_cute.kernels.decode import lane_words, persistent_grid, stage_table, table_bytes
 from kquant_cute.kernels.trellis_gemm import THREADS, TrellisGemm
 
 
@@ -37,7 +36,8 @@ class TrellisDecode:
 
     def __init__(self, *, k_dim: int, n_dim: int, bits: int, codebook: str,
                  stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1, mma_rows: int = 0,
-                 decode: bool = True, ctas_per_sm: int = 1):
+                 decode: bool = True, ctas_per_sm: int = 1, pair_table: bool = False,
+                 workers: int = 1):
         reason = self.can_implement(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                                     stages=stages)
         if reason is not None:
@@ -47,8 +47,12 @@ class TrellisDecode:
         self.gemm = TrellisGemm(block_m=8, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                 codebook=codebook, topk=1, a_rows_per_token=False,
                                 stages=stages, min_ctas_per_sm=min_ctas_per_sm,
-                                ctas_per_sm=ctas_per_sm)
-        self.smem_bytes = self.smem(bits, stages, codebook)
+                                ctas_per_sm=ctas_per_sm, pair_table=pair_table)
+        # Workers: independent 128-thread work-item loops per CTA sharing the table (as the
+        # wgmma GEMM runs them beside the 128 KiB pair table), each with its own B ring.
+        self.workers = workers
+        self.threads = THREADS * workers
+        self.smem_bytes = self.smem(bits, stages, codebook, pair_table, workers)
         # Benchmark knob: also run the GEMM's mma.sync count for `mma_rows` rows on every
         # decoded tile, with register-only A fragments (no shared memory, no barrier): the
         # decode + MMA ceiling. 0 = decode only (the checksum's host model holds).
@@ -60,9 +64,10 @@ class TrellisDecode:
         self.decode = decode
 
     @staticmethod
-    def smem(bits: int, stages: int, codebook: str | None = None) -> int:
-        """Dynamic shared memory: the GEMM's B ring (and the codebook's state table)."""
-        return table_bytes(codebook) + stages * b_stage_bytes(bits)
+    def smem(bits: int, stages: int, codebook: str | None = None, pair_table: bool = False,
+             workers: int = 1) -> int:
+        """Dynamic shared memory: the codebook's state table, then each worker's B ring."""
+        return table_bytes(codebook, (), pair_table) + workers * stages * b_stage_bytes(bits)
 
     @staticmethod
     def can_implement(*, k_dim: int, n_dim: int, bits: int, codebook: str,
@@ -79,7 +84,7 @@ class TrellisDecode:
         if cutlass.const_expr(self.gemm.table):
             grid = persistent_grid(n_experts, self.gemm.n_tiles, sm_count, self.gemm.ctas_per_sm)
         self.kernel(pB, pExperts, pOut, pTable, n_experts * self.gemm.n_tiles).launch(
-            grid=[grid, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
             stream=stream, min_blocks_per_mp=self.gemm.min_ctas_per_sm, preferred_smem_carveout=100)
 
     @cute.kernel
@@ -90,19 +95,36 @@ class TrellisDecode:
         smem = cutlass.memory.SmemAllocator()
         tab = None
         if cutlass.const_expr(self.gemm.table):
-            sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(TABLE_BYTES), 128)
+            sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.gemm.table_bytes), 128)
             tab = sT.iterator.toint()
-        sB = smem.allocate_tensor(Uint32, cute.make_layout(self.gemm.stages * self.gemm.ring.b_stage_words), 128)
+        ring_words = self.gemm.stages * self.gemm.ring.b_stage_words
+        sB = smem.allocate_tensor(Uint32, cute.make_layout(self.workers * ring_words), 128)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         if cutlass.const_expr(self.gemm.table):
             gdim, _, _ = cute.arch.grid_dim()
-            stage_table(pTable, tab, tidx, THREADS)
-            for work in range(bidx, n_items, gdim):
+            stage_table(pTable, tab, tidx, self.threads, self.gemm.table_bytes)
+            first, stride = bidx, gdim
+            if cutlass.const_expr(self.workers > 1):  # worker wk: its ring, every workers-th item
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()
+                wk = tidx // THREADS
+                tidx = tidx - wk * THREADS
+                sB = cute.make_tensor(sB.iterator + wk * ring_words, cute.make_layout(ring_words))
+                first, stride = bidx * self.workers + wk, gdim * self.workers
+            for work in range(first, n_items, stride):
                 self.item(work, pB, mExperts, mOut, sB, tab, tidx)
-                cute.arch.sync_threads()  # the next item refills the ring
+                self.sync()  # the next item refills the ring
         else:
             self.item(bidx, pB, mExperts, mOut, sB, tab, tidx)
+
+    def sync(self):
+        """The barrier of this thread's worker (named barrier 1 + worker with workers)."""
+        if cutlass.const_expr(self.workers > 1):
+            t, _, _ = cute.arch.thread_idx()
+            cute.arch.barrier(barrier_id=1 + t // THREADS, number_of_threads=THREADS)
+        else:
+            cute.arch.sync_threads()
 
     @cute.jit
     def item(self, work, pB, mExperts, mOut, sB, tab, tidx):
@@ -126,7 +148,7 @@ class TrellisDecode:
             cute.arch.cp_async_commit_group()
         for ks in range(self.gemm.k_stages):
             cute.arch.cp_async_wait_group(self.gemm.stages - 2)
-            cute.arch.sync_threads()
+            self.sync()
             nxt = ks + self.gemm.stages - 1
             if nxt < self.gemm.k_stages:
                 self.gemm.ring.issue_b(nxt, nxt % self.gemm.stages, b_gbase, b_saddr, tidx, THREADS)
@@ -189,13 +211,14 @@ def reference_checksum(trellis, experts, codebook: str):
 
 def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: str = "sm_90a",
                    stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1, mma_rows: int = 0,
-                   decode: bool = True, cubin_dir: str | None = None):
+                   decode: bool = True, cubin_dir: str | None = None, pair_table: bool = False):
     """Cross-compile the decode-only kernel (`TrellisDecode`) for one projection
     shape; returns (the JIT-compiled callable, its measured resources). The callable takes
     (trellis, experts, out, table) pointers, the expert count, the device's SM count and a
     stream; it runs only where `arch` matches the GPU. `cubin_dir` keeps the cubin there
     (for SASS reading). Table codebooks run SMs x (CTAs that fit by shared memory, at most
-    `min_ctas_per_sm`) persistent CTAs, each staging the table once."""
+    `min_ctas_per_sm`) persistent CTAs, each staging the table once; `pair_table`: the K=2
+    pair table (128 KiB) with two 128-thread workers per CTA, as the wgmma GEMM runs it."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -204,14 +227,15 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
     from kquant_cute.kernels.build import compile_measured
     from kquant_cute.kernels.trellis_gemm import SMEM_RESERVED_PER_CTA
 
-    ctas = 1
+    ctas, workers = 1, 2 if pair_table else 1
     if table_bytes(codebook):
         per_sm = cutlass.memory.get_smem_capacity_in_bytes(arch.removesuffix("a")) + SMEM_RESERVED_PER_CTA
-        need = TrellisDecode.smem(bits, stages, codebook) + SMEM_RESERVED_PER_CTA
+        need = TrellisDecode.smem(bits, stages, codebook, pair_table, workers) + SMEM_RESERVED_PER_CTA
         ctas = min_ctas_per_sm = max(1, min(min_ctas_per_sm, per_sm // need))
     probe = TrellisDecode(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                           stages=stages, min_ctas_per_sm=min_ctas_per_sm, mma_rows=mma_rows,
-                          decode=decode, ctas_per_sm=ctas)
+                          decode=decode, ctas_per_sm=ctas, pair_table=pair_table,
+                          workers=workers)
     args = [make_ptr(dt, 256, cute.AddressSpace.gmem, assumed_align=16)
             for dt in (cutlass.Int16, cutlass.Int32, cutlass.Uint32, cutlass.Uint8)]
     compiled, resources, _ = compile_measured(

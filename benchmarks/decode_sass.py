@@ -1,6 +1,7 @@
 """Decode cost per weight from the SASS of the decode-only kernel (CPU only, no GPU).
 
     python benchmarks/decode_sass.py [--arch sm_90a] [--codebooks mcg 3inst mul1] [--bits 2 3 4 5 6]
+                                     [--pair-table]
 
 Cross-compiles the decode-only probe (`decode_probe.py`) per (codebook, K), disassembles the cubin
 (cuobjdump + nvdisasm from the nvidia-cuda-* wheels or CUDA_HOME) and counts the
@@ -50,25 +51,31 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default="sm_90a")
     p.add_argument("--codebooks", nargs="+", default=["mcg", "3inst", "mul1"])
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 5, 6])
+    p.add_argument("--pair-table", action="store_true",
+                   help="sqg_e4m3 K=2 through the 128 KiB pair table (the sm_90a GEMM's decode)")
     a = p.parse_args(argv)
     if find_cuobjdump() is None or find_nvdisasm() is None:
         print("cuobjdump or nvdisasm not found (pip install -e \".[test]\")")
         return 2
-    print("| codebook | K | loop instructions / 64 weights | per weight | ALU per weight | top opcodes |")
-    print("|---|---|---|---|---|---|")
+    print("| codebook | K | table | loop instructions / 64 weights | per weight | ALU per weight "
+          "| shared loads per weight | top opcodes |")
+    print("|---|---|---|---|---|---|---|---|")
     for cb in a.codebooks:
         for bits in a.bits:
+            pair = a.pair_table and cb == "sqg_e4m3" and bits == 2
+            table = ("pair" if pair else "direct") if cb == "sqg_e4m3" else "-"
             with tempfile.TemporaryDirectory(prefix="kq_sass_") as tmp:
                 compile_decode(k_dim=3584, n_dim=384, bits=bits, codebook=cb, arch=a.arch,
-                               min_ctas_per_sm=8, cubin_dir=tmp)
+                               min_ctas_per_sm=8, cubin_dir=tmp, pair_table=pair)
                 (cubin,) = glob.glob(os.path.join(tmp, "*.cubin"))
                 sass = dump_sass(cubin)
             ops = loop_opcodes(sass)
             total = sum(ops.values())
             alu = sum(n for op, n in ops.items() if op.split(".")[0] in ALU_OPS)
+            lds = sum(n for op, n in ops.items() if op.split(".")[0] == "LDS")
             top = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
-            print(f"| {cb} | {bits} | {total} | {total / 64:.2f} | {alu / 64:.2f} | {top} |",
-                  flush=True)
+            print(f"| {cb} | {bits} | {table} | {total} | {total / 64:.2f} | {alu / 64:.2f} "
+                  f"| {lds / 64:.3f} | {top} |", flush=True)
     return 0
 
 

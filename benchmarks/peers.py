@@ -88,11 +88,16 @@ class DecodeCeiling:
     decode-only launch per projection, same decode and cp.async ring as the GEMM)."""
 
     def __init__(self, weights, *, ctas_per_sm: int = 8, mma_rows: int = 0,
-                 decode: bool = True):
+                 decode: bool = True, pair_table: bool | None = None):
         from decode_probe import compile_decode
 
         arch = "sm_%d%da" % torch.cuda.get_device_capability()
         w = weights
+        if pair_table is None:  # the table the layer's GEMMs read on this GPU
+            from kquant_cute.layer import layer_spec
+
+            pair_table = layer_spec(w, topk=1).replace(arch=arch).pair_table()
+        self.pair_table = pair_table
         self.trellis = (w.gate_trellis, w.up_trellis, w.down_trellis)
         shapes = ((w.hidden, w.intermediate), (w.intermediate, w.hidden))
         self.fns = {}
@@ -100,13 +105,13 @@ class DecodeCeiling:
         for k_dim, n_dim in shapes:
             fn, res = compile_decode(k_dim=k_dim, n_dim=n_dim, bits=w.bits, codebook=w.codebook,
                                      arch=arch, min_ctas_per_sm=ctas_per_sm, mma_rows=mma_rows,
-                                     decode=decode)
+                                     decode=decode, pair_table=pair_table)
             self.fns[(k_dim, n_dim)] = fn
             self.resources[(k_dim, n_dim)] = res
         self.shapes = (shapes[0], shapes[0], shapes[1])
         self.out = torch.empty(w.num_experts * (max(w.hidden, w.intermediate) // 128) * 128,
                                dtype=torch.int32, device="cuda")
-        self.table = codebook_table(w)
+        self.table = codebook_table(w, pair_table)
         self.sm_count = torch.cuda.get_device_properties(0).multi_processor_count
 
     def time(self, experts, iters=30) -> float:
@@ -132,11 +137,14 @@ class DecodeCeiling:
         return graph_median_ms([capture(run)], iters)
 
 
-def codebook_table(weights) -> torch.Tensor:
+def codebook_table(weights, pair_table: bool = False) -> torch.Tensor:
     """The state table the kernels read for `weights`' codebook (sqg_e4m3: 64 KiB of E4M3
-    bytes; other codebooks: a 16-byte placeholder, never read)."""
+    bytes, or the 128 KiB K=2 pair table; other codebooks: a 16-byte placeholder, never
+    read)."""
     from kquant_cute import trellis
 
+    if pair_table:
+        return trellis.sqg_pair_table(weights.bits, "cuda")
     if weights.codebook == "sqg_e4m3":
         return trellis.sqg_state_table(weights.bits, "cuda")
     return torch.zeros(16, dtype=torch.uint8, device="cuda")

@@ -31,7 +31,8 @@ SMALL = dict(num_experts=12, hidden=256, intermediate=256, topk=4, bits=3, codeb
 
 #: name -> (MoESpec fields). Kimi geometry at the plans' block sizes on both archs, and a
 #: small per-expert-vector geometry with an expert map (other rotation / combine paths),
-#: the QSRT coupled transforms, the sqg_e4m3 table decode and mixed rates (k3x22_k4x2).
+#: the QSRT coupled transforms, the sqg_e4m3 table decodes (direct; the K=2 pair table on sm_90a)
+#: and mixed rates (k3x22_k4x2).
 SPECS = {
     "kimi_m8_sm90a": dict(KIMI, block_m=8, arch="sm_90a"),
     "kimi_m32x2_sm90a": dict(KIMI, block_m=32, arch="sm_90a"),
@@ -42,6 +43,8 @@ SPECS = {
     "kimi_coupled_m8_sm120a": dict(KIMI, block_m=8, arch="sm_120a", coupled=True),
     "sqg_k4_m32x2_sm90a": dict(KIMI, codebook="sqg_e4m3", block_m=32, arch="sm_90a"),
     "sqg_k2_m16_sm120a": dict(KIMI, codebook="sqg_e4m3", bits=2, block_m=16, arch="sm_120a"),
+    "sqg_k2_cpl_m64_sm90a": dict(KIMI, codebook="sqg_e4m3", bits=2, block_m=64, arch="sm_90a",
+                                 coupled=True),
     "sqg_r34_m64_sm90a": dict(KIMI, codebook="sqg_e4m3", bits_set=(3, 4), block_m=64, arch="sm_90a"),
     "sqg_r34_m8_sync_sm90a": dict(KIMI, codebook="sqg_e4m3", bits_set=(3, 4), block_m=8,
                                   mma="sync", arch="sm_90a"),

@@ -2,7 +2,8 @@
 
 Owns how a lane turns its trellis words of one 16x16 tile into the four half2 registers
 of its m16n8k16 B fragment (`decode_lane_tile`, with `lane_words` / `lane_window` /
-`state_windows` for where its states sit and `decode_pair` for the codebook step), and the
+`state_windows` for where its states sit and `decode_pair` for the codebook step; for
+uniform K=2 sqg_e4m3 on sm_90a the pair-table decode `decode_lane_tile_pair`), and the
 state tables of the table codebooks (sqg_e4m3): their size in shared memory
 (`table_bytes`, `table_note`), how a CTA stages them (`stage_table`) and the persistent
 grid their GEMMs run (`persistent_grid`). `TrellisGemm` (mma.sync) and `TrellisWgmma`
@@ -25,18 +26,35 @@ MMA_CODEBOOKS = ("mcg", "3inst", "mul1", "sqg_e4m3")
 #: Codebooks decoded through a state -> byte table in shared memory (persistent CTAs).
 TABLE_CODEBOOKS = ("sqg_e4m3",)
 TABLE_BYTES = 1 << 16  # one E4M3FN byte per 16-bit state
+#: The K=2 pair table (`kquant_cute.trellis.sqg_pair_table`): 2^14 entries of 8 bytes.
+PAIR_TABLE_BYTES = 1 << 17
+#: K of the uniform layers the pair table decodes (`decode_lane_tile_pair`).
+PAIR_TABLE_BITS = (2,)
 
 
-def table_bytes(codebook: str | None, bits_set: tuple = ()) -> int:
+def table_bytes(codebook: str | None, bits_set: tuple = (), pair_table: bool = False) -> int:
     """Shared memory of the codebook's state tables, one per rate of `bits_set` (one for a
-    uniform K; 0 for the arithmetic codebooks)."""
+    uniform K; 0 for the arithmetic codebooks); `pair_table`: the K=2 pair table instead."""
+    if pair_table:
+        return PAIR_TABLE_BYTES
     return TABLE_BYTES * max(1, len(bits_set)) if codebook in TABLE_CODEBOOKS else 0
 
 
-def table_note(codebook: str | None, bits_set: tuple = ()) -> str:
+def check_pair_table(bits: int, bits_set: tuple, codebook: str) -> str | None:
+    """None when the pair table can decode this layer (uniform sqg_e4m3 K in
+    `PAIR_TABLE_BITS`)."""
+    if codebook not in TABLE_CODEBOOKS or bits_set or bits not in PAIR_TABLE_BITS:
+        return (f"the pair table decodes uniform {TABLE_CODEBOOKS} layers of K in "
+                f"{PAIR_TABLE_BITS}, not {codebook!r} K={bits} bits_set={bits_set}")
+    return None
+
+
+def table_note(codebook: str | None, bits_set: tuple = (), pair_table: bool = False) -> str:
     """What the state tables add to a shared-memory rejection ("" without tables)."""
     if not table_bytes(codebook):
         return ""
+    if pair_table:
+        return f" (incl. the {PAIR_TABLE_BYTES // 1024} KiB {codebook} pair table)"
     if bits_set:
         return (f" (incl. the {table_bytes(codebook, bits_set) // 1024} KiB of {codebook} state "
                 f"tables for K {', '.join(map(str, bits_set))})")
@@ -44,9 +62,9 @@ def table_note(codebook: str | None, bits_set: tuple = ()) -> str:
 
 
 def stage_table(pTable, t_saddr, tidx, threads: int, nbytes: int = TABLE_BYTES):
-    """cp.async `nbytes` of state tables (64 KiB each) from global memory into shared memory
-    at `t_saddr` (one commit group; the main loop's first wait covers it, groups retire in
-    order)."""
+    """cp.async `nbytes` of state tables (64 KiB each, or the 128 KiB pair table) from
+    global memory into shared memory at `t_saddr` (one commit group; the main loop's first
+    wait covers it, groups retire in order)."""
     chunks = nbytes // 16
     for i in range(chunks // threads):  # unrolled at trace time
         q = tidx + threads * i
@@ -241,6 +259,55 @@ def decode_lane_tile(words, q0, bits: int, codebook: str, table=None) -> list:
     rep = [len(e) == 3 for e in plan]
     return [decode_pair(states[2 * p], states[2 * p + 1], codebook, table,
                         (rep[2 * p], rep[2 * p + 1])) for p in range(4)]
+
+
+def decode_tile(words, q0, bits: int, codebook: str, table=None,
+                pair_table: bool = False) -> list:
+    """A lane's 4 half2 registers of one tile: `decode_lane_tile_pair` through the pair
+    table where the GEMM stages one (`pair_table`), else `decode_lane_tile`."""
+    if pair_table:
+        return decode_lane_tile_pair(words, q0, table)
+    return decode_lane_tile(words, q0, bits, codebook, table)
+
+
+# -- the K=2 pair table ------------------------------------------------------------------
+
+#: Byte offset of a pair's entry: 8 x its 14 shared bits.
+PAIR_OFFSET_MASK = 0x1FFF8
+
+
+def pair_table_fields(w, const=int):
+    """Entry offsets and byte-permute selectors of a lane's 4 K=2 pairs (one half2 each).
+
+    `w` is the lane's aligned 32-bit window (MSB first: state i = bits [2i, 2i + 16) of the
+    view, register bits 31-2i .. 16-2i); `const` wraps constants in `w`'s integer type (the
+    kernel's Uint32, numpy's uint32 in the CPU proof), so this one function is both the
+    decode and its model. Pair p = states (2p, 2p + 1) spans view bits [4p, 4p + 18): the
+    earlier state's top 2 bits a_p, the 14 shared bits s_p (register bits 29-4p .. 16-4p),
+    the later state's new 2 bits b_p. Entry offset = 8 * s_p: one shift and one mask. The
+    byte permute needs selector nibble 0 = a_p (bytes 0-3 hold the earlier state's
+    candidates) and nibble 1 = 4 + b_p (bytes 4-7); bit 3 of a nibble must stay 0 (it
+    would replicate the sign). In the register b_p sits at bit 14 - 4p and a_p 16 bits
+    higher, so `(w >> 2) & 0x33333333` puts every field in the low 2 bits of its own
+    nibble (a_p: nibble 7 - p, b_p: nibble 3 - p, the +4 set on the b nibbles); moving the
+    a nibbles of pairs 0 and 2 down 20 bits (pairs 1 and 3: the b nibbles up 20) makes
+    a_p and b_p adjacent nibbles, and one shift per pair brings them to nibbles 0 and 1
+    (higher nibbles pick result bytes 2-3, which the cvt ignores)."""
+    a = ((w >> 2) & const(0x33333333)) | const(0x4444)
+    even = ((a >> 20) & const(0x0F0F)) | (a & const(0xF0F0))  # pair 0: nibbles 2-3, pair 2: 0-1
+    odd = ((a << 20) & const(0xF0F00000)) | (a & const(0x0F0F0000))  # pair 1: 6-7, pair 3: 4-5
+    m = const(PAIR_OFFSET_MASK)
+    offsets = ((w >> 13) & m, (w >> 9) & m, (w >> 5) & m, (w >> 1) & m)
+    return offsets, (even >> 8, odd >> 24, even, odd >> 16)
+
+
+def decode_lane_tile_pair(words, q0, table) -> list:
+    """`decode_lane_tile` of a K=2 sqg_e4m3 tile through the pair table at `table` (shared
+    memory): one funnel shift aligns the lane's 30 stream bits (its 8 states), then per
+    pair one 8-byte load, one byte permute and one cvt (`pair_table_fields`)."""
+    w = ptx.funnel_hi(words[0], words[1], q0)
+    offsets, sels = pair_table_fields(w, Uint32)
+    return [ptx.e4m3_pair_entry(offsets[p], sels[p], table) for p in range(4)]
 
 
 def lane_words(lane, bits: int):

@@ -22,7 +22,8 @@ The arguments, their order and the scratch buffers are the launch contract of
 `kernels/launch.py`.
 Token count, routed experts and the grid (from the plan's block bound) are run-time values.
 `codebook_table` is the codebook's state table (sqg_e4m3: uint8 [65536] from
-`kquant_cute.trellis.sqg_state_table(bits)`; any valid address for the other codebooks)
+`kquant_cute.trellis.sqg_state_table(bits)`, or the 128 KiB `sqg_pair_table(bits)` where
+`MoESpec.table_layout()` says "pair"; any valid address for the other codebooks)
 and `sm_count` the device's SMs (the table codebooks' GEMMs run a persistent grid).
 
 `MoESpec.bits_set` makes a mixed-rate specialization (QSRT `k3x22_k4x2`, docs/mixed_rates.md):
@@ -46,7 +47,7 @@ from .launch import ARG_NAMES, ROUTE_BLOCK_SIZES  # noqa: F401 - ARG_NAMES: the 
 from .rotate import CombineOutput, MidActivation, RotateInput
 from .route_pack import RoutePack
 from .bring import DEFAULT_STAGES, K_STEPS_PER_STAGE, TILE_N, check_rates
-from .decode import TABLE_CODEBOOKS
+from .decode import TABLE_CODEBOOKS, check_pair_table
 from .trellis_gemm import (MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA, TrellisGemm,
                            smem_bytes as gemm_smem_bytes)
 from .trellis_wgmma import TrellisWgmma, check_span, default_span, smem_bytes as wgmma_smem_bytes
@@ -217,6 +218,8 @@ class MoESpec:
             gemm, extra = TrellisWgmma, {"span": self.span}
             if self.gemm_workers() > 1:
                 extra["workers"] = self.gemm_workers()
+            if self.pair_table():
+                extra["pair_table"] = True
         if self.codebook in TABLE_CODEBOOKS:  # persistent grid: SMs x resident CTAs
             extra["ctas_per_sm"] = self.gemm_resident_ctas()
         common = dict(block_m=self.block_m, bits=self.bits, codebook=self.codebook,
@@ -303,15 +306,34 @@ class MoESpec:
         smem_per_sm = self.arch_limits().smem_per_block_optin + SMEM_RESERVED_PER_CTA
         return TrellisGemm.occupancy_target(self.block_m, self.bits, self.stages, smem_per_sm)
 
+    def pair_table(self) -> bool:
+        """The GEMMs decode through the K=2 pair table (`decode.decode_lane_tile_pair`,
+        128 KiB, `kquant_cute.trellis.sqg_pair_table`) instead of the 64 KiB direct table:
+        the wgmma GEMMs of a uniform sqg_e4m3 layer of K in `PAIR_TABLE_BITS` (sm_90a, whose
+        227 KB per block hold the table beside two workers' rings; the mma.sync GEMM runs
+        128-thread CTAs, of which the table would leave one per SM, and sm_120's 99 KB per
+        block hold no 128 KiB table). The same for every block size and span of a layer,
+        so one table serves all of its plans."""
+        return self.mma == "wgmma" and check_pair_table(self.bits, self.bits_set,
+                                                        self.codebook) is None
+
+    def table_layout(self) -> str | None:
+        """What `codebook_table` holds for this spec: "pair" (`pair_table`), "direct" (one
+        64 KiB state table per rate) or None (arithmetic codebooks read none)."""
+        if self.codebook not in TABLE_CODEBOOKS:
+            return None
+        return "pair" if self.pair_table() else "direct"
+
     def gemm_workers(self) -> int:
-        """Work-item loops per wgmma GEMM CTA: 2 for mixed rates where two one-warpgroup
-        workers' rings fit beside the state tables (trellis_wgmma: the tables leave room
-        for one CTA per SM), else 1."""
-        if self.mma != "wgmma" or not self.mixed or self.span * self.block_m > 64:
+        """Work-item loops per wgmma GEMM CTA: 2 where the state tables leave room for one
+        CTA per SM (mixed rates, the pair table) and two one-warpgroup workers' rings fit
+        beside them (trellis_wgmma), else 1."""
+        if (self.mma != "wgmma" or not (self.mixed or self.pair_table())
+                or self.span * self.block_m > 64):
             return 1
         limits = self.arch_limits()
         need = wgmma_smem_bytes(self.block_m, self.bits, self.stages, self.span, self.codebook,
-                                self.bits_set, workers=2)
+                                self.bits_set, workers=2, pair_table=self.pair_table())
         return 2 if limits is not None and need <= limits.smem_per_block_optin else 1
 
     def gemm_resident_ctas(self) -> int:
@@ -320,7 +342,7 @@ class MoESpec:
         smem_per_sm = self.arch_limits().smem_per_block_optin + SMEM_RESERVED_PER_CTA
         if self.mma == "wgmma":
             need = wgmma_smem_bytes(self.block_m, self.bits, self.stages, self.span, self.codebook,
-                                    self.bits_set, self.gemm_workers())
+                                    self.bits_set, self.gemm_workers(), self.pair_table())
         else:
             need = gemm_smem_bytes(self.block_m, self.bits, self.stages, self.codebook,
                                    self.bits_set)

@@ -118,6 +118,23 @@ def e4m3_table_pair(s0, s1, table, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def e4m3_pair_entry(offset, sel, table, *, loc=None, ip=None):
+    """One half2 from an 8-byte pair-table entry: an 8-byte load from shared memory at
+    `table` + `offset`, one byte permute of its two words with the run-time selector `sel`
+    (its low byte picks the low e4m3 of the pair, bits 4-7 the high one; bits 8+ are
+    ignored), `cvt.rn.f16x2.e4m3x2` widens both (low half = byte 0). sm_89+."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [_u32(offset, loc, ip), _u32(sel, loc, ip), _u32(table, loc, ip)],
+        "{\n\t.reg .b32 a, e0, e1, p;\n\t.reg .b16 lo, hi;\n\t"
+        "add.u32 a, $3, $1;\n\t"
+        "ld.shared.v2.u32 {e0, e1}, [a];\n\t"
+        "prmt.b32 p, e0, e1, $2;\n\tmov.b32 {lo, hi}, p;\n\t"
+        "cvt.rn.f16x2.e4m3x2 $0, lo;\n\t}",
+        "=r,r,r,r", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
 def hadd2(a, b, *, loc=None, ip=None):
     """Packed fp16x2 add (round to nearest even) of two half2 registers (FMA pipe)."""
     return Uint32(llvm.inline_asm(
@@ -301,7 +318,7 @@ def wgmma_m64k16_f16_rs(acc, a0, a1, a2, a3, b_desc, *, loc=None, ip=None):
 
 
 __all__ = [
-    "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "e4m3_table_pair", "hadd2", "st_shared_v2_f32",
+    "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "e4m3_table_pair", "e4m3_pair_entry", "hadd2", "st_shared_v2_f32",
     "copy_shared_to_global_16", "funnel_hi", "prmt_u32", "prmt2_u32",
     "cp_async_16", "ldmatrix_x4", "wgmma_fence", "wgmma_commit", "st_shared_f32",
     "wgmma_wait", "fence_proxy_async_smem", "wgmma_m64k16_f16_rs", "shfl_xor_f32", "flat_tensor", "local_expert",

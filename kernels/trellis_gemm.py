@@ -23,7 +23,9 @@ Layouts (row-major, raw pointers; sizes that are run-time are Int32 arguments):
 - table (sqg_e4m3 only): uint8 [65536], the E4M3FN byte of every 16-bit state
   (`kquant_cute.trellis.sqg_state_table`). Each CTA stages it into shared memory once and
   then loops over work items (grid = SMs x resident CTAs, `ctas_per_sm`), so the 64 KiB
-  copy is paid per resident CTA, not per work item (`kernels/decode.py`).
+  copy is paid per resident CTA, not per work item (`kernels/decode.py`). With
+  `pair_table` the table is the 128 KiB K=2 pair table (`kquant_cute.trellis.sqg_pair_table`,
+  `decode.decode_lane_tile_pair`) instead; the wgmma GEMM runs it on sm_90a.
 
 The B ring (trellis words per stage, mixed-rate bookkeeping) is `kernels/bring.py`'s
 `BRing`; the decode of its words into B fragments is `kernels/decode.py`'s, shared with
@@ -51,7 +53,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 from . import ptx
 from .bring import (DEFAULT_STAGES, K_STEPS_PER_STAGE, TILE_N, BRing, b_stage_bytes,
                     check_geometry)
-from .decode import decode_lane_tile, lane_words, persistent_grid, stage_table, table_bytes, table_note
+from .decode import (check_pair_table, decode_tile, lane_words, persistent_grid, stage_table,
+                     table_bytes, table_note)
 
 NUM_WARPS = 4
 THREADS = 32 * NUM_WARPS
@@ -72,10 +75,10 @@ def a_smem_halves(block_m: int, stages: int) -> int:
 
 
 def smem_bytes(block_m: int, bits: int, stages: int, codebook: str | None = None,
-               bits_set: tuple = ()) -> int:
+               bits_set: tuple = (), pair_table: bool = False) -> int:
     """Dynamic shared memory of one CTA: the codebook's state tables, the A region (ring /
     epilogue staging) and the B ring (sized for `bits`, the widest K)."""
-    return (table_bytes(codebook, bits_set) + a_smem_halves(block_m, stages) * 2
+    return (table_bytes(codebook, bits_set, pair_table) + a_smem_halves(block_m, stages) * 2
             + stages * b_stage_bytes(bits))
 
 
@@ -85,10 +88,10 @@ class TrellisGemm:
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                  topk: int, a_rows_per_token: bool, stages: int = DEFAULT_STAGES,
                  min_ctas_per_sm: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
-                 rate_axis: str = "n"):
+                 rate_axis: str = "n", pair_table: bool = False):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages, bits_set=bits_set,
-                                    rate_axis=rate_axis)
+                                    rate_axis=rate_axis, pair_table=pair_table)
         if reason is not None:
             raise ValueError(reason)
         self.block_m = block_m
@@ -110,6 +113,9 @@ class TrellisGemm:
         self.mixed = self.ring.mixed
         self.bits_set = self.ring.bits_set
         self.rates = self.ring.rates
+        # K=2 pair table (128 KiB, `decode.decode_lane_tile_pair`) instead of the direct table.
+        self.pair_table = pair_table
+        self.table_bytes = table_bytes(codebook, self.bits_set, pair_table)
         # Derived once.
         self.m_tiles = (block_m + 15) // 16
         self.m_pad = 16 * self.m_tiles
@@ -118,7 +124,7 @@ class TrellisGemm:
         self.a_chunks = block_m * (K_STEPS_PER_STAGE * 16 * 2 // 16)  # 16-byte copies per stage
         self.a_iters = (self.a_chunks + THREADS - 1) // THREADS
         self.threads = THREADS
-        self.smem_bytes = smem_bytes(block_m, bits, stages, codebook, self.bits_set)
+        self.smem_bytes = smem_bytes(block_m, bits, stages, codebook, self.bits_set, pair_table)
 
     @staticmethod
     def occupancy_target(block_m: int, bits: int, stages: int, smem_per_sm: int,
@@ -134,17 +140,19 @@ class TrellisGemm:
                       stages: int = DEFAULT_STAGES, smem_limit: int | None = None,
                       topk: int = 1, a_rows_per_token: bool = False,
                       min_ctas_per_sm: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
-                      rate_axis: str = "n") -> str | None:
+                      rate_axis: str = "n", pair_table: bool = False) -> str | None:
         """None when this geometry compiles to a valid kernel, else the reason (takes the
         constructor's arguments; `smem_limit`: the target's per-block shared memory)."""
         reason = check_geometry(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                 codebook=codebook, stages=stages, bits_set=bits_set,
                                 rate_axis=rate_axis)
+        if reason is None and pair_table:
+            reason = check_pair_table(bits, bits_set, codebook)
         if reason is not None:
             return reason
-        need = smem_bytes(block_m, bits, stages, codebook, bits_set)
+        need = smem_bytes(block_m, bits, stages, codebook, bits_set, pair_table)
         if smem_limit is not None and need > smem_limit:
-            return (f"shared memory {need:,} B{table_note(codebook, bits_set)} > "
+            return (f"shared memory {need:,} B{table_note(codebook, bits_set, pair_table)} > "
                     f"{smem_limit:,} B per-block limit")
         return None
 
@@ -289,8 +297,8 @@ class TrellisGemm:
         """This lane's 4 half2 B registers of tile (k step kk, 16-column tile 2*warp + jj)
         (`tab`: the state table's shared-memory address, table codebooks only)."""
         bits = self.bits if bits is None else bits
-        return decode_lane_tile(self.stage_words(sB, buf, kk, warp, widx, jj, bits), q0, bits,
-                                self.codebook, tab)
+        return decode_tile(self.stage_words(sB, buf, kk, warp, widx, jj, bits), q0, bits,
+                           self.codebook, tab, self.pair_table)
 
     # -- mixed rates (module docstring) -------------------------------------------------
 
@@ -317,7 +325,7 @@ class TrellisGemm:
         smem = cutlass.memory.SmemAllocator()
         tab = None
         if cutlass.const_expr(self.table):
-            sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(table_bytes(self.codebook, self.bits_set)), 128)
+            sT = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.table_bytes), 128)
             tab = sT.iterator.toint()
         sA = smem.allocate_tensor(cutlass.Float16, cute.make_layout(a_smem_halves(self.block_m, self.stages)), 128)
         sB = smem.allocate_tensor(Uint32, cute.make_layout(self.stages * self.ring.b_stage_words), 128)
@@ -352,7 +360,7 @@ class TrellisGemm:
             # Persistent CTA: stage the state table once, then every grid-th work item.
             gdim, _, _ = cute.arch.grid_dim()
             if bidx < total:
-                stage_table(pTable, tab, tidx, THREADS, table_bytes(self.codebook, self.bits_set))
+                stage_table(pTable, tab, tidx, THREADS, self.table_bytes)
             for work in range(bidx, total, gdim):
                 self.work_item(work, mSorted, mBlockExpert, pOut, n_routes, zero_row, a_gaddr,
                                b_gaddr, a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx,

@@ -32,7 +32,10 @@ plans of one layer always share the MMA kind.
 Table codebooks (sqg_e4m3): as in `TrellisGemm`, the 64 KiB state table sits in front of
 the rings, each CTA stages it once and loops over work items (persistent grid). The B
 ring is `kernels/bring.py`'s `BRing` and the decode `kernels/decode.py`'s, both shared
-with `TrellisGemm`.
+with `TrellisGemm`. With `pair_table` (uniform K=2, `MoESpec.pair_table`) the table is
+the 128 KiB pair table (`decode.decode_lane_tile_pair`: one 8-byte load per two weights
+instead of two byte loads), which also leaves one CTA per SM: the CTA runs two workers as
+below.
 Mixed rates (`bits_set`, see `TrellisGemm`): per stage a branch on the stage's K (uniform
 over the work item) picks the K-specialized copy and k steps; each branch waits for its own
 wgmmas before the branches merge (a wgmma in flight across a branch would make ptxas
@@ -54,8 +57,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from . import ptx
 from .bring import K_STEPS_PER_STAGE, TILE_N, BRing, b_stage_bytes, check_geometry
-from .decode import (TABLE_CODEBOOKS, decode_lane_tile, lane_words, persistent_grid, stage_table,
-                     table_bytes, table_note)
+from .decode import (TABLE_CODEBOOKS, check_pair_table, decode_tile, lane_words,
+                     persistent_grid, stage_table, table_bytes, table_note)
 from .trellis_gemm import NUM_WARPS, THREADS
 
 CORE_ROWS = 8  # rows of a wgmma core matrix (the swizzle period)
@@ -96,14 +99,16 @@ def a_region_bytes(rows: int, stages: int) -> int:
 
 
 def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1,
-               codebook: str | None = None, bits_set: tuple = (), workers: int = 1) -> int:
+               codebook: str | None = None, bits_set: tuple = (), workers: int = 1,
+               pair_table: bool = False) -> int:
     """The codebook's state tables, then per worker the activation ring (reused by the
     epilogue's tile) and the B ring (sized for `bits`, the widest K)."""
     rows = span * block_m
     a_region = max(stages * a_stage_bytes(rows), rows * OUT_ROW_FLOATS * 4)
     if workers > 1:
         a_region = a_region_bytes(rows, stages)
-    return table_bytes(codebook, bits_set) + workers * (a_region + stages * b_stage_bytes(bits))
+    return (table_bytes(codebook, bits_set, pair_table)
+            + workers * (a_region + stages * b_stage_bytes(bits)))
 
 
 WORKERS = (1, 2)
@@ -143,7 +148,8 @@ class TrellisWgmma:
     @staticmethod
     def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                       stages: int, span: int = 1, smem_limit: int | None = None,
-                      bits_set: tuple = (), workers: int = 1, **gemm_args) -> str | None:
+                      bits_set: tuple = (), workers: int = 1, pair_table: bool = False,
+                      **gemm_args) -> str | None:
         """None when this geometry compiles to a valid kernel, else the reason: the span,
         the geometry rules every trellis GEMM shares (`bring.check_geometry`), this
         kernel's smem."""
@@ -152,20 +158,23 @@ class TrellisWgmma:
             reason = check_geometry(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages, bits_set=bits_set,
                                     rate_axis=gemm_args.get("rate_axis", "n"))
+        if reason is None and pair_table:
+            reason = check_pair_table(bits, bits_set, codebook)
         if reason is None and smem_limit is not None:
-            need = smem_bytes(block_m, bits, stages, span, codebook, bits_set, workers)
+            need = smem_bytes(block_m, bits, stages, span, codebook, bits_set, workers, pair_table)
             if need > smem_limit:
-                reason = (f"shared memory {need:,} B{table_note(codebook, bits_set)} > "
+                reason = (f"shared memory {need:,} B{table_note(codebook, bits_set, pair_table)} > "
                           f"{smem_limit:,} B per-block limit")
         return reason
 
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                  topk: int, a_rows_per_token: bool, stages: int, min_ctas_per_sm: int = 1,
                  span: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
-                 rate_axis: str = "n", workers: int = 1):
+                 rate_axis: str = "n", workers: int = 1, pair_table: bool = False):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages, span=span,
-                                    bits_set=bits_set, workers=workers, rate_axis=rate_axis)
+                                    bits_set=bits_set, workers=workers, rate_axis=rate_axis,
+                                    pair_table=pair_table)
         if reason is not None:
             raise ValueError(reason)
         # The trellis words' ring (and, for mixed rates, each stage's K), as in TrellisGemm.
@@ -173,6 +182,9 @@ class TrellisWgmma:
                           stages=stages, bits_set=bits_set, rate_axis=rate_axis)
         self.topk = topk
         self.a_rows_per_token = a_rows_per_token
+        # K=2 pair table (128 KiB, `decode.decode_lane_tile_pair`) instead of the direct table.
+        self.pair_table = pair_table
+        self.table_bytes = table_bytes(codebook, self.ring.bits_set, pair_table)
         # Register-allocation target (nvvm.minctasm) and, for table codebooks, resident
         # CTAs per SM of the persistent grid.
         self.min_ctas_per_sm = min_ctas_per_sm
@@ -201,7 +213,7 @@ class TrellisWgmma:
         if workers > 1:
             self.a_region = a_region_bytes(self.rows, stages)
         self.smem_bytes = smem_bytes(block_m, bits, stages, span, codebook, self.ring.bits_set,
-                                     workers)
+                                     workers, pair_table)
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
@@ -240,7 +252,8 @@ class TrellisWgmma:
         (`bits`: the stage's K, mixed rates only)."""
         ring = self.ring
         words = ring.tile_words_at(sB, buf, kk, n16, widx, bits)
-        h = decode_lane_tile(words, q0, ring.bits if bits is None else bits, ring.codebook, tab)
+        h = decode_tile(words, q0, ring.bits if bits is None else bits, ring.codebook, tab,
+                        self.pair_table)
         return h[0], h[2], h[1], h[3]
 
     @cute.kernel
@@ -262,7 +275,7 @@ class TrellisWgmma:
         tab = None
         if cutlass.const_expr(self.ring.table):
             sT = smem.allocate_tensor(
-                cutlass.Uint8, cute.make_layout(table_bytes(self.ring.codebook, self.ring.bits_set)), 1024)
+                cutlass.Uint8, cute.make_layout(self.table_bytes), 1024)
             tab = sT.iterator.toint()
         ring_words = self.ring.stages * self.ring.b_stage_words
         sA = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.workers * self.a_region), 1024)
@@ -306,8 +319,7 @@ class TrellisWgmma:
             if cutlass.const_expr(self.workers > 1):
                 busy = bidx * self.workers < total
             if busy:
-                stage_table(pTable, tab, cta_tidx, self.threads,
-                            table_bytes(self.ring.codebook, self.ring.bits_set))
+                stage_table(pTable, tab, cta_tidx, self.threads, self.table_bytes)
                 if cutlass.const_expr(self.workers > 1):
                     # The tables are copied by every worker and read by each: complete and
                     # visible before the workers part (their barriers are their own).

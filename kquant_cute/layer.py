@@ -176,9 +176,15 @@ class MoELayer:
                 raise ValueError(f"weights.{name} must be contiguous and 16-byte aligned")
         # A placeholder int32 so the expert_map argument always has a valid address.
         self._no_map = torch.full((1,), -1, dtype=torch.int32, device=self.device)
-        # The codebook's state table (sqg_e4m3: 64 KiB of E4M3 bytes, staged into shared
-        # memory by each persistent GEMM CTA); other codebooks read none (any address).
-        if weights.codebook == "sqg_e4m3":  # mixed rates: one table per K, in bits_set order
+        # The codebook's state table (sqg_e4m3: 64 KiB of E4M3 bytes per K, or the 128 KiB
+        # K=2 pair table, staged into shared memory by each persistent GEMM CTA); other
+        # codebooks read none (any address).
+        layouts = {s.table_layout() for s in self.plan.specs()}
+        if len(layouts) > 1:  # MoESpec.pair_table is the same for every block size
+            raise RuntimeError(f"the layer's plans read different state tables: {layouts}")
+        if layouts == {"pair"}:  # the K=2 pair table (MoESpec.pair_table)
+            self._table = trellis.sqg_pair_table(base.bits, self.device)
+        elif weights.codebook == "sqg_e4m3":  # mixed rates: one table per K, in bits_set order
             self._table = torch.cat([trellis.sqg_state_table(k, self.device)
                                      for k in (base.bits_set or (base.bits,))])
         else:

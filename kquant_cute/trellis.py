@@ -58,6 +58,7 @@ __all__ = [
     "codebook_lut",
     "t12_table",
     "sqg_state_table",
+    "sqg_pair_table",
     "tile_position_map",
     "tile_inverse_position_map",
     "tiles_to_matrix",
@@ -251,6 +252,36 @@ def sqg_state_table(bits: int, device: Optional[torch.device | str] = None) -> t
             table = sqg_state_table(bits).to(dev)
         else:
             table = _sqg_byte(torch.arange(1 << STATE_BITS), bits).to(torch.uint8)
+        with _lock:
+            table = _LUT_CACHE.setdefault(key, table)
+    return table
+
+
+def sqg_pair_table(bits: int, device: Optional[torch.device | str] = None) -> torch.Tensor:
+    """uint8 [2^(16-K) * 2^(K+1)] (128 KiB for every K): the sqg_e4m3 pair table.
+
+    Two consecutive states of a tile share 16 - K bits: x_{t+1} = ((x_t << K) | b) & 0xFFFF,
+    so s = x_t & (2^(16-K) - 1) = x_{t+1} >> K. Entry s (2^(K+1) bytes at 2^(K+1) * s)
+    holds the E4M3FN bytes of every state either neighbour can be: bytes [0, 2^K) are
+    ``sqg_state_table[(a << (16-K)) | s]`` for the earlier state's top bits a, bytes
+    [2^K, 2^(K+1)) are ``sqg_state_table[(s << K) | b]`` for the later state's new bits b.
+    One load of the entry and one byte select per state decode a pair of weights (the K=2
+    GEMM decode: an 8-byte entry, one byte permute). Cached per K / device; shared."""
+    check_codebook("sqg_e4m3", bits)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    key = ("sqg_e4m3_pairs", bits, _key(dev))
+    table = _LUT_CACHE.get(key)
+    if table is None:
+        if dev.type != "cpu":
+            table = sqg_pair_table(bits).to(dev)
+        else:
+            direct = sqg_state_table(bits)
+            w = STATE_BITS - bits
+            s = torch.arange(1 << w).unsqueeze(1)
+            c = torch.arange(1 << bits).unsqueeze(0)
+            earlier = direct[(c << w) | s]  # [2^w, 2^K], candidate a = c
+            later = direct[(s << bits) | c]  # candidate b = c
+            table = torch.cat([earlier, later], dim=1).reshape(-1).contiguous()
         with _lock:
             table = _LUT_CACHE.setdefault(key, table)
     return table

@@ -91,11 +91,14 @@ def _table(codebook, bits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codebook,bits", [("mcg", 4), ("mcg", 3), ("mul1", 2), ("3inst", 6),
-                                           ("sqg_e4m3", 2), ("sqg_e4m3", 3)])
-def test_decode_only_kernel_checksum(codebook, bits):
+@pytest.mark.parametrize("codebook,bits,pair", [("mcg", 4, False), ("mcg", 3, False),
+                                                ("mul1", 2, False), ("3inst", 6, False),
+                                                ("sqg_e4m3", 2, False), ("sqg_e4m3", 3, False),
+                                                ("sqg_e4m3", 2, True)])
+def test_decode_only_kernel_checksum(codebook, bits, pair):
     """The decode-only ceiling kernel decodes every weight of the listed experts: its
-    per-thread checksum equals the host model bit for bit (poisoned output first)."""
+    per-thread checksum equals the host model bit for bit (poisoned output first); `pair`:
+    through the K=2 pair table with two workers per CTA."""
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -109,13 +112,14 @@ def test_decode_only_kernel_checksum(codebook, bits):
     experts = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
     out = torch.full((3 * (n_dim // 128) * 128,), -1, dtype=torch.int32, device="cuda")
     fn, _ = compile_decode(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
-                           arch="sm_%d%da" % torch.cuda.get_device_capability())
+                           arch="sm_%d%da" % torch.cuda.get_device_capability(), pair_table=pair)
+    table = tc.sqg_pair_table(bits, "cuda") if pair else _table(codebook, bits)
 
     def P(t, dt):
         return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
     fn(P(codes, cutlass.Int16), P(experts, cutlass.Int32), P(out, cutlass.Uint32),
-       P(_table(codebook, bits), cutlass.Uint8), cutlass.Int32(3), cutlass.Int32(1),
+       P(table, cutlass.Uint8), cutlass.Int32(3), cutlass.Int32(1),
        cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
     want = reference_checksum(codes.cpu(), experts.cpu(), codebook)

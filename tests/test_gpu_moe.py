@@ -74,6 +74,22 @@ def test_decode_bit_exact_through_gemm(codebook, bits, mma):
     _needs_sm90(mma)
     if codebook == "sqg_e4m3" and bits > 4:
         pytest.skip("sqg_e4m3 is defined for K = 2..4")
+    _gemm_decodes_exactly(codebook, bits, mma, 128, 256, _table(codebook, bits))
+
+
+def test_pair_table_decode_bit_exact_through_gemm():
+    """The sm_90a K=2 pair-table decode (two workers sharing the 128 KiB table, each
+    looping over every second work item) gives the codec's value of every weight of
+    512 x 1,024 random states (524,288 weights: all but a few dozen of the 65,536 states;
+    tests/test_pair_table.py proves the arithmetic for every window on the CPU)."""
+    _needs_sm90("wgmma")
+    from kquant_cute import trellis
+
+    _gemm_decodes_exactly("sqg_e4m3", 2, "wgmma", 512, 1024, trellis.sqg_pair_table(2, "cuda"),
+                          pair_table=True, workers=2)
+
+
+def _gemm_decodes_exactly(codebook, bits, mma, k_dim, n_dim, table, **gemm_args):
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -83,7 +99,7 @@ def test_decode_bit_exact_through_gemm(codebook, bits, mma):
     from kquant_cute.kernels.trellis_gemm import TrellisGemm
     from kquant_cute.kernels.trellis_wgmma import TrellisWgmma
 
-    k_dim, n_dim, block_m = 128, 256, 16
+    block_m = 16
     g = torch.Generator().manual_seed(bits * 7 + len(codebook))
     codes = trellis.random_trellis(k_dim, n_dim, bits, generator=g).cuda()
     a = torch.zeros(k_dim + 1, k_dim, dtype=torch.float16, device="cuda")
@@ -94,7 +110,7 @@ def test_decode_bit_exact_through_gemm(codebook, bits, mma):
     out = torch.full((k_dim, n_dim), float("nan"), device="cuda")
     Gemm = TrellisWgmma if mma == "wgmma" else TrellisGemm
     gemm = Gemm(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
-                topk=1, a_rows_per_token=False, stages=4)
+                topk=1, a_rows_per_token=False, stages=4, **gemm_args)
 
     def P(t, dt):
         return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
@@ -103,8 +119,7 @@ def test_decode_bit_exact_through_gemm(codebook, bits, mma):
     if mma == "wgmma":  # per-expert padded offsets and counts (read by spans only)
         offsets = torch.tensor([0, k_dim], dtype=torch.int32, device="cuda")
         groups += [P(offsets, cutlass.Int32), P(num, cutlass.Int32)]
-    table = _table(codebook, bits)
-    # sm_count 1: a table codebook's grid is 1 x ctas_per_sm (1) CTA for the 16 work items.
+    # sm_count 1: a table codebook's grid is 1 x ctas_per_sm (1) CTA for the work items.
     args = [P(a, cutlass.Float16), P(codes, cutlass.Int16), P(routes, cutlass.Int32),
             *groups, P(out, cutlass.Float32),
             cutlass.Int32(k_dim), cutlass.Int32(k_dim), cutlass.Int32(k_dim // block_m),

@@ -200,6 +200,32 @@ def test_sqg_e4m3_compiles_with_its_state_table(arch, cache):
 
 
 @needs_cuobjdump
+def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
+    """Uniform K=2 sqg_e4m3 on sm_90a (the production QSRT layer): the wgmma GEMM holds the
+    128 KiB pair table and two one-warpgroup workers' rings (256 threads, one CTA per SM)
+    at the plans' block sizes, spills nothing and fits 227 KB; the mma.sync GEMM keeps the
+    64 KiB direct table."""
+    from kquant_cute.kernels.decode import PAIR_TABLE_BYTES, TABLE_BYTES
+
+    limits = arch_limits("sm_90a")
+    for m, span in ((8, 1), (32, 2), (64, 1)):
+        spec = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=m, arch="sm_90a")
+        assert spec.span == span and spec.table_layout() == "pair"
+        verdict = geometry_check(spec, cache)
+        assert verdict.ok, (m, verdict.reason)
+        assert verdict.spills == 0 and verdict.registers <= limits.regs_per_thread_max
+        threads, dynamic = spec.kernel_launches()["TrellisWgmma"]
+        assert threads == 256 and spec.gemm_workers() == 2 and spec.gemm_resident_ctas() == 1
+        gemms = [k for k in _resources(spec, cache)["kernels"] if k["kernel"] == "TrellisWgmma"]
+        assert all(dynamic <= g["shared"] <= limits.smem_per_block_optin for g in gemms)
+        assert dynamic > PAIR_TABLE_BYTES
+    sync = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=32, arch="sm_90a",
+                                    mma="sync")
+    assert sync.table_layout() == "direct"
+    assert TABLE_BYTES < sync.dynamic_smem()["TrellisGemm"] < PAIR_TABLE_BYTES
+
+
+@needs_cuobjdump
 def test_sqg_e4m3_sm120_plan_falls_back_to_a_block_that_fits(cache):
     """The 64 KiB table leaves sm_120 room for M <= 32 at K=4: the prefill plan for 4,096
     tokens (policy M=64) falls back to 32 with both rejections recorded; sm_90 keeps 64."""

@@ -1,0 +1,111 @@
+"""CPU proofs of the sqg_e4m3 pair-table decode: the table the host builds
+(`kquant_cute.trellis.sqg_pair_table`) holds every state's byte where the decode looks, and
+the decode's offset / selector arithmetic (`kernels/decode.py`'s `pair_table_fields`, run here on
+numpy uint32 with a model of `prmt.b32`) returns the direct table's bytes for every K=2
+window at every pair position. The GPU test `test_gpu_moe.py::test_decode_bit_exact_through_gemm`
+runs the same arithmetic in the kernel."""
+
+import numpy as np
+import pytest
+import torch
+
+from kquant_cute import trellis as tc
+from kquant_cute.kernels.moe import MoESpec
+from kquant_cute.kernels.decode import (PAIR_TABLE_BYTES, check_pair_table, pair_table_fields,
+                                        table_bytes)
+from kquant_cute.kernels.trellis_gemm import TrellisGemm
+from kquant_cute.kernels.trellis_wgmma import TrellisWgmma
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_pair_table_holds_every_state_for_both_neighbours(bits):
+    """Every one of the 65,536 states sits in entry x mod 2^(16-K) at byte x >> (16-K)
+    (as the earlier state of a pair) and in entry x >> K at byte 2^K + (x mod 2^K) (as
+    the later one), with the direct table's byte."""
+    direct = tc.sqg_state_table(bits).long()
+    pairs = tc.sqg_pair_table(bits).long()
+    w, ent = 16 - bits, 1 << (bits + 1)
+    assert pairs.shape == (PAIR_TABLE_BYTES,) and pairs.numel() == (1 << w) * ent
+    x = torch.arange(1 << 16)
+    earlier = pairs[(x & ((1 << w) - 1)) * ent + (x >> w)]
+    later = pairs[(x >> bits) * ent + (1 << bits) + (x & ((1 << bits) - 1))]
+    assert torch.equal(earlier, direct)
+    assert torch.equal(later, direct)
+
+
+def _prmt(lo, hi, sel):
+    """prmt.b32 (default mode) result bytes 0 and 1 of registers lo (bytes 0-3) and hi
+    (bytes 4-7): nibble n of `sel` picks byte n & 7; with bit 3 set it replicates that
+    byte's sign bit instead."""
+    entry = np.concatenate([lo[:, None] >> (8 * np.arange(4, dtype=np.uint32)),
+                            hi[:, None] >> (8 * np.arange(4, dtype=np.uint32))], axis=1) & 0xFF
+    out = []
+    for n in range(2):
+        nib = (sel >> np.uint32(4 * n)) & np.uint32(0xF)
+        byte = entry[np.arange(len(sel)), nib & 7]
+        out.append(np.where(nib & 8, np.where(byte & 0x80, 0xFF, 0x00), byte))
+    return out
+
+
+def test_pair_fields_decode_every_k2_window_at_every_position():
+    """Exhaustive over the 2^18 (a, s, b) windows of each of a lane's 4 pairs, the rest of
+    the 32-bit window random: entry offset and selector give the bytes of both states."""
+    direct = tc.sqg_state_table(2).numpy().astype(np.uint32)
+    table = tc.sqg_pair_table(2).numpy()
+    words = table.view("<u4").astype(np.uint32)  # entry e: words 2e (bytes 0-3), 2e + 1
+    rng = np.random.default_rng(5)
+    win = np.arange(1 << 18, dtype=np.uint32)
+    for p in range(4):
+        shift = 14 - 4 * p  # pair p: view bits [4p, 4p + 18) = register bits 31-4p .. 14-4p
+        keep = np.uint32(((1 << 18) - 1) << shift)
+        noise = rng.integers(0, 1 << 32, size=win.size, dtype=np.uint64).astype(np.uint32)
+        w = (noise & ~keep) | (win << np.uint32(shift))
+        offsets, sels = pair_table_fields(w, np.uint32)
+        off = offsets[p]
+        assert np.all(off % 8 == 0) and np.all(off < PAIR_TABLE_BYTES)
+        e = off // 8
+        b0, b1 = _prmt(words[2 * e], words[2 * e + 1], sels[p])
+        x0 = (w << np.uint32(4 * p)) >> np.uint32(16)  # view bits [4p, 4p + 16)
+        x1 = (w << np.uint32(4 * p + 2)) >> np.uint32(16)
+        assert np.array_equal(b0, direct[x0]), p
+        assert np.array_equal(b1, direct[x1]), p
+
+
+def test_pair_table_is_a_per_arch_choice():
+    """sm_90a's wgmma GEMMs of a uniform K=2 sqg_e4m3 layer use the pair table with two
+    workers per CTA; every other layer, and sm_120 (mma.sync, 101,376 B per block), keeps
+    the direct table."""
+    def spec(**kw):
+        base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, bits=2,
+                    codebook="sqg_e4m3", block_m=32, shared_hidden_vectors=True,
+                    coupled=True, arch="sm_90a")
+        base.update(kw)
+        return MoESpec(**base)
+
+    s = spec()
+    assert s.pair_table() and s.table_layout() == "pair" and s.gemm_workers() == 2
+    assert s.gemm_resident_ctas() == 1 and s.check(227 * 1024) is None
+    gemm = {sub.role: sub for sub in s.sub_kernels()}["gemm1"].build()
+    assert gemm.pair_table and gemm.threads == 256 and gemm.smem_bytes > PAIR_TABLE_BYTES
+    for m in (8, 16, 48, 64):
+        assert spec(block_m=m).pair_table() and spec(block_m=m).check(227 * 1024) is None
+    for other in (spec(bits=3), spec(mma="sync"), spec(arch="sm_120a", block_m=32),
+                  spec(codebook="mcg", bits=2, coupled=False, shared_hidden_vectors=False)):
+        assert not other.pair_table()
+    assert spec(bits=3).table_layout() == "direct"
+    sm120 = spec(arch="sm_120a", block_m=32)
+    assert sm120.mma == "sync" and sm120.check(101_376) is None
+
+
+def test_pair_table_rejections():
+    assert check_pair_table(2, (), "sqg_e4m3") is None
+    assert "uniform" in check_pair_table(3, (), "sqg_e4m3")
+    assert "uniform" in check_pair_table(4, (3, 4), "sqg_e4m3")
+    assert "uniform" in check_pair_table(2, (), "mcg")
+    assert table_bytes("sqg_e4m3", (), True) == PAIR_TABLE_BYTES
+    args = dict(block_m=16, k_dim=128, n_dim=256, codebook="sqg_e4m3", stages=4)
+    assert "pair table" in TrellisGemm.can_implement(bits=3, pair_table=True, **args)
+    assert TrellisGemm.can_implement(bits=2, pair_table=True, **args) is None
+    reason = TrellisWgmma.can_implement(bits=2, pair_table=True, workers=2,
+                                        smem_limit=101_376, **args)
+    assert "128 KiB sqg_e4m3 pair table" in reason
