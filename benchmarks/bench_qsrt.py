@@ -43,11 +43,11 @@ MIXED_LAYER = 1  # the MoE layer index the placement rule rotates by
 
 def mixed_rate_maps(num_experts=E, intermediate=I, layer=MIXED_LAYER):
     """uint8 fc1 / fc2 maps [E, I/16] of a k3x22_k4x2 shard of `intermediate` channels: each
-    expert's physical records 0 .. I/128 - 1 at their placement-rule K (`qsrt_mixed`). At
+    expert's physical records 0 .. I/128 - 1 at their placement-rule K (`kquant_cute.qsrt.layout`). At
     the reference geometry's I = 384 that is 3 records, 1 / 9 of them K4 over the experts (the whole
     profile: 1 / 12); the uncoupled loader serves only whole record pairs (TP 1-4, 6, 12),
     so this slice is the reference shape at the profile's rates, not a loadable TP8 rank."""
-    from kquant_cute import qsrt_mixed as qm
+    from kquant_cute.qsrt import layout as qm
 
     n = intermediate // 128
     maps = qm.rate_map(qm.UNCOUPLED, num_experts, layer)[:, :, :n]  # [E, fc1/fc2, records]

@@ -277,7 +277,7 @@ def _profile_fields(args: argparse.Namespace) -> dict[str, Any]:
     rates = {}
     bits = prof.uniform_bits
     if bits is None:  # mixed record rates: the kernel decodes every K of the rate set
-        from .qsrt_mixed import RATE_SET
+        from .qsrt.layout import RATE_SET
 
         rates, bits = {"bits_set": RATE_SET}, RATE_SET[-1]
     for flag, value, wanted in (("--bits", args.bits, bits), ("--codebook", args.codebook, "sqg_e4m3")):

@@ -38,7 +38,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from . import trellis as tc
-from .weights import MoEWeights, _check_tensor, _same_device
+from .weights import (ExpertShape, ExpertVectors, MoEWeights, _check_features, _check_tensor,
+                      _same_device)
 
 __all__ = ["MixedMoEWeights", "pack_fc1", "pack_fc2", "unpack_fc1", "unpack_fc2"]
 
@@ -119,13 +120,14 @@ def unpack_fc2(packed: torch.Tensor, bits: torch.Tensor, hidden: int, kmax: int)
 
 
 @dataclass(frozen=True, eq=False)
-class MixedMoEWeights:
+class MixedMoEWeights(ExpertShape):
     """A layer's experts with per-tile K on the intermediate axis (see the module docstring).
 
-    Same vectors and coupled fields as :class:`~kquant_cute.weights.MoEWeights`: ``gate_suh``
-    / ``up_suh`` / ``down_svh`` fp16 [H] (shared) or [E, H]; ``gate_svh`` / ``up_svh`` /
-    ``down_suh`` fp16 [E, I]; optional ``pre_signs`` [E, 2I] / ``post_signs`` [E, I] (QSRT
-    coupled transforms, same meaning as there), ``profile`` and ``rotation_draws``.
+    Same vectors and coupled fields as :class:`~kquant_cute.weights.MoEWeights`, validated
+    by the same :class:`~kquant_cute.weights.ExpertVectors`: ``gate_suh`` / ``up_suh`` /
+    ``down_svh`` fp16 [H] (shared) or [E, H]; ``gate_svh`` / ``up_svh`` / ``down_suh`` fp16
+    [E, I]; optional ``pre_signs`` [E, 2I] / ``post_signs`` [E, I] (QSRT coupled transforms),
+    ``profile`` and ``rotation_draws``.
     """
 
     gate_trellis: torch.Tensor
@@ -174,39 +176,14 @@ class MixedMoEWeights:
         if d.dtype != torch.int16 or d.dim() != 2 or d.shape[0] != e or d.shape[1] < int(need.max()):
             raise ValueError(f"down_trellis must be int16 [E={e}, W2 >= {int(need.max())}], got "
                              f"{d.dtype} {tuple(d.shape)}")
-        # A probe view: MoEWeights checks every vector and the coupled fields for us.
-        self._uniform_view()
+        _check_features("gate_trellis", h16 * tc.TILE, i16 * tc.TILE)
+        ExpertVectors.of(self, e, h16 * tc.TILE, i16 * tc.TILE)
         _same_device("MixedMoEWeights", {"gate_trellis": g, "up_trellis": self.up_trellis,
                                          "down_trellis": d, "fc1_bits": self.fc1_bits,
                                          "fc2_bits": self.fc2_bits,
                                          "gate_svh": self.gate_svh})
 
-    def _uniform_view(self) -> MoEWeights:
-        """A K=2 MoEWeights of this layer's shape with the same vectors (validation only)."""
-        e, i16 = self.fc1_bits.shape
-        h16 = self.gate_trellis.shape[1]
-        dummy = torch.zeros(1, 1, 1, 32, dtype=torch.int16, device=self.gate_trellis.device)
-        return MoEWeights(
-            gate_trellis=dummy.expand(e, h16, i16, 32), up_trellis=dummy.expand(e, h16, i16, 32),
-            down_trellis=dummy.expand(e, i16, h16, 32),
-            gate_suh=self.gate_suh, gate_svh=self.gate_svh, up_suh=self.up_suh,
-            up_svh=self.up_svh, down_suh=self.down_suh, down_svh=self.down_svh,
-            codebook=self.codebook, profile=self.profile, rotation_draws=self.rotation_draws,
-            pre_signs=self.pre_signs, post_signs=self.post_signs)
-
     # -- shape and rates ---------------------------------------------------------------
-
-    @property
-    def num_experts(self) -> int:
-        return self.fc1_bits.shape[0]
-
-    @property
-    def hidden(self) -> int:
-        return self.gate_trellis.shape[1] * tc.TILE
-
-    @property
-    def intermediate(self) -> int:
-        return self.fc1_bits.shape[1] * tc.TILE
 
     @property
     def rate_set(self) -> tuple[int, ...]:
@@ -218,18 +195,6 @@ class MixedMoEWeights:
     def bits_per_weight(self) -> float:
         """Mean trellis bits per weight over the three matrices (vectors not counted)."""
         return float((2 * self.fc1_bits.double().mean() + self.fc2_bits.double().mean()) / 3)
-
-    @property
-    def shared_hidden_vectors(self) -> bool:
-        return self.gate_suh.dim() == 1
-
-    @property
-    def coupled(self) -> bool:
-        return self.pre_signs is not None
-
-    @property
-    def device(self) -> torch.device:
-        return self.gate_trellis.device
 
     def fc1_offsets(self) -> torch.Tensor:
         """int64 [E, I/16 + 1]: FC1 column word offsets within a tile row (kernel table)."""

@@ -5,13 +5,16 @@ This module owns the in-memory weight containers the planners and kernels consum
 * :class:`TrellisLinear` -- one EXL3 / QSRT trellis-coded linear layer (``trellis``,
   ``suh``, ``svh``, optional ``bias``, codebook), with loaders from checkpoint tensor
   mappings and the dense / reference-forward views from :mod:`kquant_cute.trellis`;
+* :class:`ExpertVectors` -- the one validation of a layer's expert vectors (hidden-side
+  ``suh`` / ``svh`` shared or per expert, intermediate-side spans, the QSRT coupled sign
+  vectors, profile and rotation draws) against the layer's shape, used by both
+  :class:`MoEWeights` and :class:`~kquant_cute.mixed.MixedMoEWeights`, and
+  :class:`ExpertShape`, the shape properties both containers read from those vectors;
 * :class:`MoEWeights` -- the gate / up / down projections of a layer's experts stacked
-  along a leading expert axis, with either per-expert or shared (Kimi-K3 / b12x style)
-  hidden-side rotation vectors, optionally the QSRT coupled transforms (per-expert sign
-  vectors of the pre- and post-activation axes, see :mod:`kquant_cute.qsrt`), plus a seeded
-  random constructor for tests and benches.
+  along a leading expert axis at one K, plus a seeded random constructor for tests and
+  benches.
 
-Both are frozen dataclasses validated on construction: every inconsistency raises a
+All are frozen dataclasses validated on construction: every inconsistency raises a
 ValueError that names the offending tensor.
 """
 
@@ -24,8 +27,9 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 
 from . import trellis as tc
+from .qsrt import format as qsrt_format
 
-__all__ = ["TrellisLinear", "MoEWeights", "PROJECTIONS"]
+__all__ = ["TrellisLinear", "ExpertVectors", "ExpertShape", "MoEWeights", "PROJECTIONS"]
 
 #: Projection names of one expert, in kernel order.
 PROJECTIONS = ("gate", "up", "down")
@@ -266,8 +270,156 @@ class TrellisLinear:
 # --------------------------------------------------------------------------------------
 
 
+#: Vector fields of a layer's experts, in container field order.
+VECTOR_FIELDS = ("gate_suh", "gate_svh", "up_suh", "up_svh", "down_suh", "down_svh")
+#: Optional QSRT fields (coupled transforms and where they came from).
+QSRT_FIELDS = ("rotation_draws", "pre_signs", "post_signs")
+
+
 @dataclass(frozen=True, eq=False)
-class MoEWeights:
+class ExpertVectors:
+    """A layer's expert vectors, validated against its shape (``num_experts``, ``hidden``,
+    ``intermediate``) and ``codebook``.
+
+    * ``gate_suh``, ``up_suh``, ``down_svh``: fp16 [E, H] per expert, or [H] shared by all
+      experts -- all three per-expert or all three shared;
+    * ``gate_svh``, ``up_svh``, ``down_suh``: fp16 [E, I];
+    * QSRT: ``profile`` (a known QSRT profile, which fixes the codebook and whether the
+      layer is coupled), ``rotation_draws`` uint8 [E] in 0..7, and the coupled transforms
+      ``pre_signs`` fp16 [E, 2I] / ``post_signs`` fp16 [E, I] of +-1 (both or neither;
+      coupled layers share one input vector: ``gate_suh == up_suh`` shared, and ``hidden``
+      is a multiple of the latent H512).
+    """
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    codebook: str
+    gate_suh: torch.Tensor
+    gate_svh: torch.Tensor
+    up_suh: torch.Tensor
+    up_svh: torch.Tensor
+    down_suh: torch.Tensor
+    down_svh: torch.Tensor
+    profile: Optional[str] = None
+    rotation_draws: Optional[torch.Tensor] = None
+    pre_signs: Optional[torch.Tensor] = None
+    post_signs: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, owner: Any, num_experts: int, hidden: int, intermediate: int) -> "ExpertVectors":
+        """The vectors of a weight container ``owner`` (its fields of the same names)."""
+        return cls(num_experts, hidden, intermediate, owner.codebook,
+                   **{n: getattr(owner, n) for n in (*VECTOR_FIELDS, "profile", *QSRT_FIELDS)})
+
+    def __post_init__(self) -> None:
+        e, hidden, inter = self.num_experts, self.hidden, self.intermediate
+        hidden_side = {"gate_suh": self.gate_suh, "up_suh": self.up_suh,
+                       "down_svh": self.down_svh}
+        for name, vec in hidden_side.items():
+            if not isinstance(vec, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(vec).__name__}")
+        dims = {vec.dim() for vec in hidden_side.values()}
+        if dims not in ({1}, {2}):
+            listing = ", ".join(f"{n} {tuple(v.shape)}" for n, v in hidden_side.items())
+            raise ValueError(
+                "hidden-side vectors must be all shared ([H]) or all per-expert ([E, H]); "
+                f"got {listing}"
+            )
+        hshape = (hidden,) if self.shared else (e, hidden)
+        for name, vec in hidden_side.items():
+            _check_tensor(name, vec, torch.float16, hshape)
+        for name in ("gate_svh", "up_svh", "down_suh"):
+            _check_tensor(name, getattr(self, name), torch.float16, (e, inter))
+        self._check_qsrt()
+        _same_device("expert vectors", {n: getattr(self, n) for n in (*VECTOR_FIELDS,
+                                                                      *QSRT_FIELDS)})
+
+    @property
+    def shared(self) -> bool:
+        """True iff the hidden-side vectors are shared ([H]) across experts."""
+        return self.gate_suh.dim() == 1
+
+    @property
+    def coupled(self) -> bool:
+        return self.pre_signs is not None
+
+    def _check_qsrt(self) -> None:
+        e, inter = self.num_experts, self.intermediate
+        if (self.pre_signs is None) != (self.post_signs is None):
+            raise ValueError("pre_signs and post_signs must both be given (coupled) or both None")
+        if self.rotation_draws is not None:
+            _check_tensor("rotation_draws", self.rotation_draws, torch.uint8, (e,))
+            if bool((self.rotation_draws > qsrt_format.MAX_DRAW).any()):
+                raise ValueError(f"rotation_draws must lie in 0..{qsrt_format.MAX_DRAW}")
+        if self.profile is not None:
+            if self.profile not in qsrt_format.PROFILES:
+                raise ValueError(f"unknown QSRT profile {self.profile!r}; known: "
+                                 f"{', '.join(qsrt_format.PROFILES)}")
+            wants = qsrt_format.PROFILES[self.profile].coupled
+            if wants != self.coupled:
+                raise ValueError(f"profile {self.profile!r} "
+                                 f"{'needs' if wants else 'has no'} coupled sign vectors")
+            if self.codebook != qsrt_format.CODEBOOK:
+                raise ValueError(f"profile {self.profile!r} uses codebook "
+                                 f"{qsrt_format.CODEBOOK!r}, got {self.codebook!r}")
+        if not self.coupled:
+            return
+        for name, n in (("pre_signs", 2 * inter), ("post_signs", inter)):
+            t = getattr(self, name)
+            _check_tensor(name, t, torch.float16, (e, n))
+            if not bool((t.abs() == 1).all()):
+                raise ValueError(f"{name} must hold only +1 / -1")
+        if not self.shared:
+            raise ValueError("coupled weights need shared hidden-side vectors ([H])")
+        if not torch.equal(self.gate_suh, self.up_suh):
+            raise ValueError("coupled weights: both FC1 slots read one rotated input, so "
+                             "gate_suh must equal up_suh")
+        if self.hidden % tc.COUPLED_RESIDUAL_BLOCK:
+            raise ValueError(f"coupled weights: hidden {self.hidden} is not a multiple of "
+                             f"{tc.COUPLED_RESIDUAL_BLOCK} (the latent H512)")
+
+
+class ExpertShape:
+    """Shape properties of a weight container, read from its validated vectors (mixin of
+    :class:`MoEWeights` and :class:`~kquant_cute.mixed.MixedMoEWeights`; both keep
+    ``gate_trellis``'s dimension 1 at H/16)."""
+
+    gate_trellis: torch.Tensor
+    gate_suh: torch.Tensor
+    gate_svh: torch.Tensor
+    pre_signs: Optional[torch.Tensor]
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_svh.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.gate_trellis.shape[1] * tc.TILE
+
+    @property
+    def intermediate(self) -> int:
+        return self.gate_svh.shape[1]
+
+    @property
+    def shared_hidden_vectors(self) -> bool:
+        """True iff gate_suh, up_suh and down_svh are shared ([H]) across experts."""
+        return self.gate_suh.dim() == 1
+
+    @property
+    def coupled(self) -> bool:
+        """True iff the QSRT coupled transforms apply (sign vectors present)."""
+        return self.pre_signs is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate_trellis.device
+
+
+
+@dataclass(frozen=True, eq=False)
+class MoEWeights(ExpertShape):
     """A layer's experts, each projection stacked along a leading expert axis E.
 
     * ``gate_trellis``, ``up_trellis``: int16 [E, H/16, I/16, 16K] (FC1, [H, I] each);
@@ -335,66 +487,9 @@ class MoEWeights:
         hidden, inter = h16 * tc.TILE, i16 * tc.TILE
         _check_features("gate_trellis", hidden, inter)
 
-        hidden_side = {"gate_suh": self.gate_suh, "up_suh": self.up_suh,
-                       "down_svh": self.down_svh}
-        for name, vec in hidden_side.items():
-            if not isinstance(vec, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(vec).__name__}")
-        dims = {name: vec.dim() for name, vec in hidden_side.items()}
-        if set(dims.values()) == {1}:
-            shared = True
-        elif set(dims.values()) == {2}:
-            shared = False
-        else:
-            listing = ", ".join(f"{n} {tuple(v.shape)}" for n, v in hidden_side.items())
-            raise ValueError(
-                "hidden-side vectors must be all shared ([H]) or all per-expert ([E, H]); "
-                f"got {listing}"
-            )
-        hshape = (hidden,) if shared else (e, hidden)
-        for name, vec in hidden_side.items():
-            _check_tensor(name, vec, torch.float16, hshape)
-        for name in ("gate_svh", "up_svh", "down_suh"):
-            _check_tensor(name, getattr(self, name), torch.float16, (e, inter))
-        self._check_coupled(e, hidden, inter, shared)
+        ExpertVectors.of(self, e, hidden, inter)
         _same_device("MoEWeights", {**{name: getattr(self, name) for name in self._tensor_names()},
                                     **self._optional_tensors()})
-
-    def _check_coupled(self, e: int, hidden: int, inter: int, shared: bool) -> None:
-        if (self.pre_signs is None) != (self.post_signs is None):
-            raise ValueError("pre_signs and post_signs must both be given (coupled) or both None")
-        if self.rotation_draws is not None:
-            _check_tensor("rotation_draws", self.rotation_draws, torch.uint8, (e,))
-            if bool((self.rotation_draws > 7).any()):
-                raise ValueError("rotation_draws must lie in 0..7")
-        if self.profile is not None:
-            from . import qsrt  # local: qsrt builds MoEWeights
-
-            if self.profile not in qsrt.PROFILES:
-                raise ValueError(f"unknown QSRT profile {self.profile!r}; known: "
-                                 f"{', '.join(qsrt.PROFILES)}")
-            wants = qsrt.PROFILES[self.profile].coupled
-            if wants != self.coupled:
-                raise ValueError(f"profile {self.profile!r} "
-                                 f"{'needs' if wants else 'has no'} coupled sign vectors")
-            if self.codebook != qsrt.CODEBOOK:
-                raise ValueError(f"profile {self.profile!r} uses codebook {qsrt.CODEBOOK!r}, "
-                                 f"got {self.codebook!r}")
-        if not self.coupled:
-            return
-        for name, n in (("pre_signs", 2 * inter), ("post_signs", inter)):
-            t = getattr(self, name)
-            _check_tensor(name, t, torch.float16, (e, n))
-            if not bool((t.abs() == 1).all()):
-                raise ValueError(f"{name} must hold only +1 / -1")
-        if not shared:
-            raise ValueError("coupled weights need shared hidden-side vectors ([H])")
-        if not torch.equal(self.gate_suh, self.up_suh):
-            raise ValueError("coupled weights: both FC1 slots read one rotated input, so "
-                             "gate_suh must equal up_suh")
-        if hidden % tc.COUPLED_RESIDUAL_BLOCK:
-            raise ValueError(f"coupled weights: hidden {hidden} is not a multiple of "
-                             f"{tc.COUPLED_RESIDUAL_BLOCK} (the latent H512)")
 
     @staticmethod
     def _tensor_names() -> tuple[str, ...]:
@@ -408,34 +503,8 @@ class MoEWeights:
     # -- properties --------------------------------------------------------------------
 
     @property
-    def num_experts(self) -> int:
-        return self.gate_trellis.shape[0]
-
-    @property
-    def hidden(self) -> int:
-        return self.gate_trellis.shape[1] * tc.TILE
-
-    @property
-    def intermediate(self) -> int:
-        return self.gate_trellis.shape[2] * tc.TILE
-
-    @property
     def bits(self) -> int:
         return self.gate_trellis.shape[3] // tc.TILE
-
-    @property
-    def shared_hidden_vectors(self) -> bool:
-        """True iff gate_suh, up_suh and down_svh are shared ([H]) across experts."""
-        return self.gate_suh.dim() == 1
-
-    @property
-    def coupled(self) -> bool:
-        """True iff the QSRT coupled transforms apply (sign vectors present)."""
-        return self.pre_signs is not None
-
-    @property
-    def device(self) -> torch.device:
-        return self.gate_trellis.device
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) for every stacked tensor, in field order."""
@@ -583,11 +652,9 @@ class MoEWeights:
         if coupled:
             if not shared_hidden_vectors:
                 raise ValueError("random: coupled weights need shared_hidden_vectors=True")
-            from . import qsrt  # local: qsrt builds MoEWeights
-
-            draws = torch.randint(0, qsrt.MAX_DRAW + 1, (num_experts,), generator=gen)
-            pre, post = qsrt.coupled_signs(draws.to(torch.uint8), intermediate, 0,
-                                           intermediate // qsrt.ATOM_CHANNELS)
+            draws = torch.randint(0, qsrt_format.MAX_DRAW + 1, (num_experts,), generator=gen)
+            pre, post = qsrt_format.coupled_signs(draws.to(torch.uint8), intermediate, 0,
+                                                  intermediate // qsrt_format.ATOM_CHANNELS)
             extra = {"rotation_draws": draws.to(torch.uint8).to(dev), "pre_signs": pre.to(dev),
                      "post_signs": post.to(dev)}
         gate_suh = vec(hshape, 1.0)

@@ -1,5 +1,5 @@
-"""QSRT mixed-rate profiles (``k3x22_k4x2``, ``k3x22_k4x2_coupled_h512_h128``): rate maps and
-their atoms-v2 byte layout.
+"""QSRT atoms-v2 byte layout of every profile: uniform bundles, the H308 rate maps and
+their bundles, and the layer file's rate-dependent header metadata.
 
 This module owns, for the two H308 profiles (22 K3 + 2 K4 records of 128 channels per expert
 and matrix family, ~3.08 bpw):
@@ -16,14 +16,12 @@ and matrix family, ~3.08 bpw):
   tensor whose rows are each 4 KiB aligned, and P43 stores its K4 record first;
 * which tile of the layer's logical matrices each plane holds (:func:`bundle_sources`) and
   which plane each tile of a rank's weights comes from (:func:`rank_sources`);
-* rank extents: uncoupled, pedapudi's quotient/remainder atom partition, accepted only when
-  every rank holds whole record pairs (a split pair would split a record's H128 block);
-  coupled H308, TP12 with rank ``r`` owning pair ``(r + layer - 1) mod 12`` (vLLM fork).
 
-Facts are from pedapudi/qsrt (``qsrt/qsrt_atoms_v2.py``, ``qsrt/pack/qsrt_atoms_v2.py``,
-``qsrt/qsrt.py``, ``qsrt/qsrt_storage.py``) and the vLLM fork's ``kquant_qsrt_atoms_v2.py``.
-File-level reading / writing goes through :mod:`kquant_cute.qsrt`, which asks this module
-for everything rate dependent.
+and for every profile the ``qsrt_atoms`` tensor shape and the canonical header
+``__metadata__`` (:func:`atom_shape`, :func:`file_metadata`: what the writer emits and the
+reader requires). Alignment, span bytes, layer range and profile names are asked of
+:mod:`kquant_cute.qsrt.format`; rank extents live in :mod:`kquant_cute.qsrt.extent`.
+Sources: docs/formats.md.
 """
 
 from __future__ import annotations
@@ -33,7 +31,9 @@ from typing import Optional
 
 import torch
 
-from . import trellis as tc
+from .. import trellis as tc
+from . import format as fmt
+from .format import Geometry, Profile, QSRTFormatError
 
 __all__ = [
     "MIXED_PROFILES",
@@ -46,12 +46,16 @@ __all__ = [
     "pair_kinds",
     "record_bits",
     "rate_map",
-    "mixed_extent",
+    "row_layouts",
+    "bundle_sources",
+    "rank_sources",
+    "atom_shape",
+    "file_metadata",
 ]
 
-UNCOUPLED = "k3x22_k4x2"
-COUPLED = "k3x22_k4x2_coupled_h512_h128"
-MIXED_PROFILES = (UNCOUPLED, COUPLED)
+UNCOUPLED = fmt.H308_UNCOUPLED
+COUPLED = fmt.H308_COUPLED
+MIXED_PROFILES = fmt.MIXED_PROFILES
 
 RECORD_CHANNELS = 128
 RECORDS = 24                      # per expert and matrix family (Kimi-K3: 3072 channels)
@@ -68,18 +72,25 @@ PAIR_KIND_BITS = {"P22": (2, 2), "P24": (2, 4), "P33": (3, 3), "P43": (4, 3), "P
 #: Coupled H308: static (FC1, FC2) kinds; every other pair is (P33, P33).
 COUPLED_KINDS = {5: ("P43", "P33"), 11: ("P43", "P44")}
 FAMILIES = ("fc1", "fc2")
-STORAGE_ALIGNMENT = 4096
-SPAN_BYTES = 64
 
 
 def _check(profile: str, layer: int, expert: int, num_experts: Optional[int] = None) -> None:
     if profile not in MIXED_PROFILES:
-        raise ValueError(f"{profile!r} is not a mixed-rate profile ({', '.join(MIXED_PROFILES)})")
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= 92:
-        raise ValueError(f"MoE layer must be an int in 1..92, got {layer!r}")
+        raise QSRTFormatError(f"{profile!r} is not a mixed-rate profile "
+                              f"({', '.join(MIXED_PROFILES)})")
+    fmt.check_layer_index(layer)
     if isinstance(expert, bool) or not isinstance(expert, int) or expert < 0 or \
             (num_experts is not None and expert >= num_experts):
-        raise ValueError(f"expert must be an int in 0..{(num_experts or 1) - 1}, got {expert!r}")
+        raise QSRTFormatError(f"expert must be an int in 0..{(num_experts or 1) - 1}, "
+                              f"got {expert!r}")
+
+
+def check_geometry(prof: Profile, g: Geometry, path=None) -> None:
+    """QSRTFormatError unless ``g`` has the channels the H308 placement rule covers."""
+    want = RECORDS * RECORD_CHANNELS
+    if g.intermediate != want:
+        raise fmt.fail(path, f"profile {prof.name}: intermediate {g.intermediate} is not the "
+                             f"{want} channels ({RECORDS} records) its placement rule covers")
 
 
 def pair_rotation(layer: int, expert: int) -> int:
@@ -127,7 +138,7 @@ def pair_kinds(profile: str, layer: int, expert: int) -> tuple[tuple[str, str], 
 def record_bits(profile: str, layer: int, expert: int, family: str) -> tuple[int, ...]:
     """K of each physical record (``2 * pair + side``) of one matrix family."""
     if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+        raise QSRTFormatError(f"family must be one of {FAMILIES}, got {family!r}")
     f = FAMILIES.index(family)
     return tuple(b for kinds in pair_kinds(profile, layer, expert)
                  for b in PAIR_KIND_BITS[kinds[f]])
@@ -144,10 +155,6 @@ def rate_map(profile: str, num_experts: int, layer: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
-def _align(n: int) -> int:
-    return (n + STORAGE_ALIGNMENT - 1) // STORAGE_ALIGNMENT * STORAGE_ALIGNMENT
-
-
 def section_bytes(hidden: int, kind: str) -> int:
     """One matrix section of one atom: two 16-channel planes [H/16][16K] int16."""
     lo, hi = PAIR_KIND_BITS[kind]
@@ -155,7 +162,8 @@ def section_bytes(hidden: int, kind: str) -> int:
 
 
 def bundle_bytes(hidden: int, fc1_kind: str, fc2_kind: str) -> int:
-    return 2 * section_bytes(hidden, fc1_kind) + section_bytes(hidden, fc2_kind) + 3 * SPAN_BYTES
+    return (2 * section_bytes(hidden, fc1_kind) + section_bytes(hidden, fc2_kind)
+            + 3 * fmt.SPAN_BYTES)
 
 
 @dataclass(frozen=True)
@@ -188,7 +196,7 @@ def row_layouts(profile: str, num_experts: int, hidden: int, layer: int) -> tupl
             cursor += bundle_bytes(hidden, *per[e])
         for t in range(ATOMS_PER_PAIR):
             rows.append(RowLayout(ATOMS_PER_PAIR * pair + t, tuple(offsets), tuple(per),
-                                  cursor, _align(cursor)))
+                                  cursor, fmt.align(cursor)))
     if profile == UNCOUPLED:   # one fixed stride: the widest row, aligned
         stride = max(r.row_bytes for r in rows)
         rows = [RowLayout(r.atom, r.offsets, r.kinds, r.payload, stride) for r in rows]
@@ -196,7 +204,8 @@ def row_layouts(profile: str, num_experts: int, hidden: int, layer: int) -> tupl
 
 
 def header_metadata(profile: str, num_experts: int, hidden: int, layer: int) -> dict[str, str]:
-    """The rate-dependent ``__metadata__`` keys of a mixed layer file."""
+    """The rate-dependent ``__metadata__`` keys of a mixed layer file (see
+    :func:`file_metadata` for the whole header)."""
     if profile == UNCOUPLED:
         return {"atom_slot_stride_bytes": str(row_layouts(profile, num_experts, hidden, layer)[0].row_bytes),
                 "p33_atom_bundle_bytes": str(bundle_bytes(hidden, "P33", "P33")),
@@ -257,47 +266,7 @@ def logical_tile_bits(family: str, tile: int, intermediate_tiles: int) -> int:
     return LOGICAL_RECORD_BITS[record]
 
 
-@dataclass(frozen=True)
-class MixedExtent:
-    tp_size: int
-    tp_rank: int
-    first_atom: int
-    atom_count: int
-
-    @property
-    def padded_atoms(self) -> int:
-        return self.atom_count
-
-
-def mixed_extent(profile: str, atom_slots: int, layer: int, tp_size: int, tp_rank: int) -> MixedExtent:
-    """The atoms a rank owns (see the module docstring); ValueError naming allowed sizes."""
-    for name, v in (("tp_size", tp_size), ("tp_rank", tp_rank)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{name} must be an int, got {v!r}")
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be positive, got {tp_size}")
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank {tp_rank} is out of range for tp_size {tp_size} "
-                         f"(ranks 0..{tp_size - 1})")
-    if profile == COUPLED:
-        if tp_size != PAIRS:
-            raise ValueError(f"tp_size {tp_size} is not supported for {COUPLED!r}: its "
-                             f"variable-stride pairs are served one per rank at TP{PAIRS}")
-        pair = (tp_rank + layer - 1) % PAIRS
-        return MixedExtent(tp_size, tp_rank, ATOMS_PER_PAIR * pair, ATOMS_PER_PAIR)
-    q, r = divmod(atom_slots, tp_size)
-    count = q + int(tp_rank < r)
-    first = tp_rank * q + min(tp_rank, r)
-    if first % ATOMS_PER_PAIR or count % ATOMS_PER_PAIR or count == 0:
-        ok = [n for n in range(1, PAIRS + 1) if PAIRS % n == 0]
-        raise ValueError(
-            f"tp_size {tp_size} is not supported for {UNCOUPLED!r}: rank {tp_rank} would own "
-            f"atoms [{first}, {first + count}), which splits a record pair (8 atoms) and so "
-            f"a record's H128 block; sizes that keep whole pairs: {ok}")
-    return MixedExtent(tp_size, tp_rank, first, count)
-
-
-def rank_sources(profile: str, ext: MixedExtent) -> dict[str, list[tuple[int, int, int]]]:
+def rank_sources(profile: str, ext) -> dict[str, list[tuple[int, int, int]]]:
     """Where each local tile of a rank's weights comes from: for ``gate`` / ``up`` (FC1 output
     column tiles) and ``down`` (FC2 row tiles), a list over local tiles of ``(atom, section,
     side)``. Uncoupled: local record ``2 * (pair - first_pair) + side`` is the physical
@@ -328,3 +297,50 @@ def rank_sources(profile: str, ext: MixedExtent) -> dict[str, list[tuple[int, in
                 assert _coupled_record_of(kind, f, side) == k
                 out[name].append((ATOMS_PER_PAIR * p + t, f, side))
     return out
+
+
+# --------------------------------------------------------------------------------------
+# Every profile: the atom tensor and the header metadata
+# --------------------------------------------------------------------------------------
+
+
+def atom_shape(prof: Profile, geometry: Geometry, layer: int) -> list[int]:
+    """Shape of the ``qsrt_atoms`` u8 tensor: [atom_slots, stride] (uniform, uncoupled H308)
+    or [bytes] (coupled H308: variable-stride rows)."""
+    if prof.uniform_bits is not None:
+        return [geometry.atom_slots, geometry.row_stride(prof.uniform_bits)]
+    return atom_tensor_shape(prof.name, geometry.num_experts, geometry.hidden, layer)
+
+
+def file_metadata(layer: int, prof: Profile, geometry: Geometry) -> dict[str, str]:
+    """The canonical ``__metadata__`` of a layer file (what the writer emits, the reader
+    requires)."""
+    e = geometry.num_experts
+    meta = {
+        "format": "pt",
+        "schema": fmt.SCHEMA,
+        "version": str(fmt.VERSION),
+        "encoding": fmt.ENCODING,
+        "codebook": fmt.CODEBOOK_ID,
+        "profile": prof.name,
+        "profile_id": str(prof.profile_id),
+        "layer": str(layer),
+        "experts": str(e),
+        "intermediate_channels": str(geometry.intermediate),
+        "latent_channels": str(geometry.hidden),
+        "atom_channels": str(fmt.ATOM_CHANNELS),
+        "atom_slots": str(geometry.atom_slots),
+        "alignment_bytes": str(fmt.STORAGE_ALIGNMENT),
+    }
+    if prof.uniform_bits is not None:
+        bits = prof.uniform_bits
+        meta["atom_slot_stride_bytes"] = str(geometry.row_stride(bits))
+        meta[f"p{bits}{bits}_atom_bundle_bytes"] = str(fmt.bundle_bytes(geometry.hidden, bits))
+    else:
+        meta.update(header_metadata(prof.name, e, geometry.hidden, layer))
+    if prof.coupled:
+        meta["residual_hadamard_block_size"] = str(fmt.RESIDUAL_BLOCK)
+        meta["preactivation_hadamard_block_size"] = str(fmt.PRE_BLOCK)
+        meta["postactivation_hadamard_block_size"] = str(fmt.POST_BLOCK)
+        meta["intermediate_rotation_draws"] = f"format_section[{e}:{2 * e}]"
+    return meta
