@@ -9,15 +9,21 @@ sharded tokens, against the unsharded fp64 reference and against each other.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from kquant_cute import qsrt
-from kquant_cute.distributed import (CheckConfig, DistributedMoE, ParallelPlan, assemble,
-                                     check_worker, launch, layouts, reference_outputs,
-                                     shard_experts, shard_weights)
+from kquant_cute.distributed import (DistributedMoE, ParallelPlan, launch, layouts, shard_experts,
+                                     shard_weights)
+
 from kquant_cute.reference import reference_moe
 from kquant_cute.weights import MoEWeights
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from dist_check import CheckConfig, assemble, check_worker, reference_outputs  # noqa: E402
 
 F64_TOL = 1e-12
 

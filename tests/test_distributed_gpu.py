@@ -10,11 +10,16 @@ inputs.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from kquant_cute.distributed import (CheckConfig, assemble, check_worker, launch, layouts,
-                                     reference_outputs)
+from kquant_cute.distributed import launch, layouts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from dist_check import CheckConfig, assemble, check_worker, reference_outputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
