@@ -12,7 +12,8 @@ Modules (each owns one job; :mod:`.format` is the leaf every other one asks):
   :class:`~kquant_cute.mixed.MixedMoEWeights`;
 * :mod:`.layer` -- the in-memory :class:`QSRTLayer` and :func:`random_layer`;
 * :mod:`.read` -- :func:`read_header`, :func:`load_layer`, :func:`read_layer`;
-* :mod:`.write` -- :func:`write_layer`, :func:`write_completion`.
+* :mod:`.write` -- :func:`write_layer`, :func:`write_completion`;
+* :mod:`.model` -- :func:`load_model`: a whole model directory, one rank, streamed.
 
 The names below are re-exported here; the format facts are imported eagerly (torch only),
 the rest on first use, so importing this package never imports the weight containers.
@@ -43,6 +44,8 @@ _LAZY = {
     "read_manifest": "read",
     "write_layer": "write",
     "write_completion": "write",
+    "load_model": "model",
+    "read_completion": "model",
 }
 
 __all__ = [*_format_all, *_LAZY]
