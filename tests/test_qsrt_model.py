@@ -65,6 +65,7 @@ def test_completion_record_lists_every_layer_with_size_and_digest(model_dir):
     assert doc["complete"] is True and doc["layer_count"] == len(LAYERS)
     assert doc["profile"] == qsrt.PRODUCTION_PROFILE and doc["storage_schema"] in qsrt.SCHEMAS
     assert len(doc["candidate_pool_content_sha256"]) == 64
+    assert doc["layer_bytes"] == sum(e["bytes"] for e in doc["layers"].values())
     for n in LAYERS:
         entry = doc["layers"][str(n)]
         data = (model_dir / entry["file"]).read_bytes()

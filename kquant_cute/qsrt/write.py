@@ -123,8 +123,9 @@ def write_completion(root: str | os.PathLike, *,
     """Write ``root/qsrt-completion.json`` for every layer the manifest lists.
 
     Fields: ``kind``, ``schema_version`` 2, ``profile``, ``complete`` true, ``layer_count``,
-    ``storage_schema``, ``candidate_pool_content_sha256`` and ``layers`` =
-    ``{"N": {"file", "bytes", "sha256"}}``. The candidate-pool digest names the quantizer's
+    ``storage_schema``, ``candidate_pool_content_sha256``, ``layers`` =
+    ``{"N": {"file", "bytes", "sha256"}}``, the total ``layer_bytes`` and the ``manifest``
+    file name. The candidate-pool digest names the quantizer's
     input; a directory written from synthetic layers has none, so it defaults to the
     SHA-256 of the layers' ``"N:sha256"`` lines in layer order.
     """
@@ -148,6 +149,7 @@ def write_completion(root: str | os.PathLike, *,
         "profile": manifest["profile"], "complete": True, "layer_count": len(layers),
         "storage_schema": manifest["storage_schema"],
         "candidate_pool_content_sha256": candidate_pool_sha256, "layers": layers,
+        "layer_bytes": sum(e["bytes"] for e in layers.values()), "manifest": MANIFEST_FILE,
     }
     path = root / COMPLETION_FILE
     text = json.dumps(doc, indent=1, sort_keys=True).encode()
