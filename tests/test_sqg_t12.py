@@ -1,0 +1,90 @@
+"""The T12 + bijection decode of sqg_e4m3 (kernels/sqg_t12.py), proved on the CPU.
+
+`run_program` executes the very instruction list the kernels emit as PTX (`ptx_lines`
+renders the same `Op`s), so decoding all 65,536 states through it and comparing with the
+reference codec proves the instruction sequence bit-exact for every K. The GPU half
+(the same program through the GEMM) is tests/test_gpu_moe.py.
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+from kquant_cute import trellis
+from kquant_cute.kernels import sqg_t12
+
+STATES = np.arange(1 << 16, dtype=np.uint64)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_program_is_bit_exact_on_every_state(bits):
+    idx = sqg_t12.run_program(sqg_t12.t12_program(bits), STATES)
+    assert idx.dtype == np.uint64
+    assert int(idx.max()) < sqg_t12.T12_TABLE_BYTES  # nothing above the 12-bit index
+    t12 = trellis.t12_table().numpy()
+    got = t12[idx.astype(np.int64)]
+    want = trellis.sqg_state_table(bits).numpy()
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"K={bits}: {bad.size} states differ, first {bad[:8].tolist()}"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_program_index_is_rank_over_16(bits):
+    """Stronger than the byte check (T12 repeats bytes): the index is rank(x) >> 4 itself,
+    with rank written out from the law independently of the program."""
+    x = STATES.astype(np.int64)
+    w = 16 - bits
+    mask = (1 << w) - 1
+    h, b = x >> bits, x & ((1 << bits) - 1)
+    m = h ^ (h >> 11)
+    m ^= (m << 11) & mask
+    p = (m * 0x3FA7D929 + 0xC928FD8E) & 0xFFFFFFFF
+    rev = sum(((b >> k) & 1) << (bits - 1 - k) for k in range(bits))
+    rank = ((rev ^ (p >> (32 - bits))) << w) | (p & mask)
+    idx = sqg_t12.run_program(sqg_t12.t12_program(bits), STATES).astype(np.int64)
+    np.testing.assert_array_equal(idx, rank >> 4)
+
+
+def test_known_states():
+    """The law's check values: state 0 -> 0x46 (K=2), 0x3D (K=3), 0x3A (K=4); the
+    Python-int path of the mirror agrees with the array path."""
+    t12 = trellis.t12_table().numpy()
+    for bits, byte in ((2, 0x46), (3, 0x3D), (4, 0x3A)):
+        prog = sqg_t12.t12_program(bits)
+        assert t12[sqg_t12.run_program(prog, 0)] == byte
+        sample = [1, 0x1234, 0x8000, 0xFFFF]
+        arr = sqg_t12.run_program(prog, np.array(sample, dtype=np.uint64))
+        assert [sqg_t12.run_program(prog, s) for s in sample] == arr.tolist()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_ptx_is_the_program(bits):
+    """The PTX the kernels inline is the program, op for op, constants included: 11 integer
+    instructions per state (2 of them multiply-adds), nothing else."""
+    prog = sqg_t12.t12_program(bits)
+    lines = sqg_t12.ptx_lines(prog, "_a", "%st")
+    assert len(lines) == len(prog) == 11
+    mnemonics = [line.split()[0] for line in lines]
+    assert mnemonics.count("mad.lo.u32") == 2
+    for op, line in zip(prog, lines):
+        consts = [int(t, 16) for t in re.findall(r"0x[0-9a-f]+", line)]
+        assert consts == [s for s in op.srcs if isinstance(s, int)], line
+        assert line.startswith(f"{sqg_t12._PTX[op.op]} {op.dst}_a, ")
+    assert all("%st" in line for line, op in zip(lines, prog) if "x" in op.srcs)
+
+
+def test_lop3_truth_table_convention():
+    """LOP3's immediate is F(0xF0, 0xCC, 0xAA) (PTX ISA); the mirror evaluates it by
+    minterms, so a table built from a function must give that function back."""
+    a, b, c = 0x12345678, 0x0F0F0F0F, 0xFFFF0000
+    for lut in (0xF0, 0xCC, 0xAA, 0x96, sqg_t12.LUT_SELECT):
+        prog = (sqg_t12.Op("lop3", "idx", ("x", b, c, lut)),)
+        fn = {0xF0: a, 0xCC: b, 0xAA: c, 0x96: a ^ b ^ c,
+              sqg_t12.LUT_SELECT: (b & c) | (a & ~c & 0xFFFFFFFF)}[lut]
+        assert sqg_t12.run_program(prog, a) == fn
+
+
+def test_bits_outside_range_rejected():
+    with pytest.raises(ValueError, match="bits 5 outside 2..4"):
+        sqg_t12.t12_program(5)
