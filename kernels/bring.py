@@ -24,7 +24,7 @@ from cutlass import Int32, Int64
 
 from . import format as fmt
 from . import ptx
-from .decode import MMA_CODEBOOKS, TABLE_BYTES, TABLE_CODEBOOKS
+from .decode import MMA_CODEBOOKS, TABLE_BYTES, TABLE_CODEBOOKS, check_table_decode
 from .launch import ROUTE_BLOCK_SIZES
 
 TILE_N = 128
@@ -63,7 +63,7 @@ def check_rates(bits: int, bits_set: tuple, codebook: str, rate_axis: str) -> st
 
 def check_geometry(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                    stages: int = DEFAULT_STAGES, bits_set: tuple = (),
-                   rate_axis: str = "n") -> str | None:
+                   rate_axis: str = "n", table_decode: str = "direct") -> str | None:
     """None when a trellis GEMM of this work item and ring geometry can be built, else the
     reason (the rules every GEMM class shares; each adds its own and its shared memory)."""
     if block_m not in BLOCK_SIZES:
@@ -78,14 +78,14 @@ def check_geometry(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook:
             return f"{name} {dim} is not a positive multiple of {fmt.HADAMARD_BLOCK}"
     if not 2 <= stages <= MAX_STAGES:
         return f"stages {stages} outside 2..{MAX_STAGES}"
-    return check_rates(bits, bits_set, codebook, rate_axis)
+    return check_rates(bits, bits_set, codebook, rate_axis) or check_table_decode(codebook, table_decode)
 
 
 class BRing:
     """The trellis-word ring of one GEMM specialization (see module docstring)."""
 
     def __init__(self, *, k_dim: int, n_dim: int, bits: int, codebook: str, stages: int,
-                 bits_set: tuple = (), rate_axis: str = "n"):
+                 bits_set: tuple = (), rate_axis: str = "n", table_decode: str = "direct"):
         self.k_dim = k_dim
         self.n_dim = n_dim
         self.bits = bits
@@ -93,6 +93,8 @@ class BRing:
         self.stages = stages
         # Table codebooks: the GEMM stages the state tables and runs a persistent grid.
         self.table = codebook in TABLE_CODEBOOKS
+        # How the tables decode: a direct table per K, or T12 + bijection for every K.
+        self.table_decode = table_decode
         # Mixed rates (module docstring): the K of each stage comes from the rate maps.
         self.mixed = bool(bits_set)
         self.bits_set = tuple(bits_set)
@@ -204,5 +206,8 @@ class BRing:
             ptx.cp_async_16(dst, src)
 
     def rate_table(self, tab, bits: int):
-        """Shared-memory address of `bits`'s state table (tables in `rates` order)."""
+        """Shared-memory address of `bits`'s state table (direct tables in `rates` order; the
+        one T12 serves every K)."""
+        if self.table_decode == "t12":
+            return tab
         return tab + self.rates.index(bits) * TABLE_BYTES

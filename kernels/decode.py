@@ -4,8 +4,10 @@ Owns how a lane turns its trellis words of one 16x16 tile into the four half2 re
 of its m16n8k16 B fragment (`decode_lane_tile`, with `lane_words` / `lane_window` /
 `state_windows` for where its states sit and `decode_pair` for the codebook step; for
 uniform K=2 sqg_e4m3 on sm_90a the pair-table decode `decode_lane_tile_pair`), and the
-state tables of the table codebooks (sqg_e4m3): their size in shared memory
-(`table_bytes`, `table_note`), how a CTA stages them (`stage_table`) and the persistent
+state tables of the table codebooks (sqg_e4m3): direct tables, the pair table or T12
+(`table_decode`, `check_table_decode`; the T12 program is `kernels/sqg_t12.py`'s), their
+size in shared memory (`table_bytes`, `table_note`), where they sit in the table argument
+(`table_offset`), how a CTA stages them (`stage_table`) and the persistent
 grid their GEMMs run (`persistent_grid`). `TrellisGemm` (mma.sync) and `TrellisWgmma`
 (wgmma) decode through this module alone; the decode-only benchmark probe does too.
 Codebook constants come from `kernels/format.py`.
@@ -21,6 +23,7 @@ from cutlass import Int32, Int64, Uint32
 
 from . import format as fmt
 from . import ptx
+from .sqg_t12 import T12_TABLE_BYTES, TABLE_DECODES
 
 MMA_CODEBOOKS = ("mcg", "3inst", "mul1", "sqg_e4m3")
 #: Codebooks decoded through a state -> byte table in shared memory (persistent CTAs).
@@ -32,43 +35,82 @@ PAIR_TABLE_BYTES = 1 << 17
 PAIR_TABLE_BITS = (2,)
 
 
-def table_bytes(codebook: str | None, bits_set: tuple = (), pair_table: bool = False) -> int:
-    """Shared memory of the codebook's state tables, one per rate of `bits_set` (one for a
-    uniform K; 0 for the arithmetic codebooks); `pair_table`: the K=2 pair table instead."""
-    if pair_table:
-        return PAIR_TABLE_BYTES
-    return TABLE_BYTES * max(1, len(bits_set)) if codebook in TABLE_CODEBOOKS else 0
-
-
-def check_pair_table(bits: int, bits_set: tuple, codebook: str) -> str | None:
-    """None when the pair table can decode this layer (uniform sqg_e4m3 K in
-    `PAIR_TABLE_BITS`)."""
-    if codebook not in TABLE_CODEBOOKS or bits_set or bits not in PAIR_TABLE_BITS:
-        return (f"the pair table decodes uniform {TABLE_CODEBOOKS} layers of K in "
-                f"{PAIR_TABLE_BITS}, not {codebook!r} K={bits} bits_set={bits_set}")
+def check_table_decode(codebook: str | None, table_decode: str) -> str | None:
+    """None when `table_decode` is a decode of `codebook`'s tables: "direct" (a 64 KiB state
+    table per K, or the K=2 pair table where the GEMM has `pair_table`; the only value of
+    the arithmetic codebooks, which read none) or "t12" (table codebooks: T12 + the state
+    bijection, `kernels/sqg_t12.py`)."""
+    if table_decode not in TABLE_DECODES:
+        return f"table_decode {table_decode!r} not in {TABLE_DECODES}"
+    if table_decode == "t12" and codebook not in TABLE_CODEBOOKS:
+        return f"table_decode 't12' needs a table codebook {TABLE_CODEBOOKS}, not {codebook!r}"
     return None
 
 
-def table_note(codebook: str | None, bits_set: tuple = (), pair_table: bool = False) -> str:
+def table_bytes(codebook: str | None, bits_set: tuple = (), pair_table: bool = False,
+                table_decode: str = "direct") -> int:
+    """Shared memory of the codebook's state tables, one per rate of `bits_set` (one for a
+    uniform K; 0 for the arithmetic codebooks); `pair_table`: the K=2 pair table instead;
+    `table_decode` "t12": the one T12 every K reads."""
+    if pair_table:
+        return PAIR_TABLE_BYTES
+    if codebook not in TABLE_CODEBOOKS:
+        return 0
+    if table_decode == "t12":
+        return T12_TABLE_BYTES
+    return TABLE_BYTES * max(1, len(bits_set))
+
+
+def table_offset(codebook: str | None, bits_set: tuple = (), table_decode: str = "direct") -> int:
+    """Byte offset, in the `codebook_table` argument of a direct / T12 layer (the direct
+    tables in `bits_set` order, then T12: `kquant_cute.trellis.sqg_kernel_tables`), of the
+    bytes a GEMM stages."""
+    if codebook in TABLE_CODEBOOKS and table_decode == "t12":
+        return TABLE_BYTES * max(1, len(bits_set))
+    return 0
+
+
+def check_pair_table(bits: int, bits_set: tuple, codebook: str,
+                     table_decode: str = "direct") -> str | None:
+    """None when the pair table can decode this layer (uniform sqg_e4m3 K in
+    `PAIR_TABLE_BITS`, with the tables of `table_decode` "direct")."""
+    if codebook not in TABLE_CODEBOOKS or bits_set or bits not in PAIR_TABLE_BITS:
+        return (f"the pair table decodes uniform {TABLE_CODEBOOKS} layers of K in "
+                f"{PAIR_TABLE_BITS}, not {codebook!r} K={bits} bits_set={bits_set}")
+    if table_decode != "direct":
+        return f"the pair table is a direct-table decode, not table_decode {table_decode!r}"
+    return None
+
+
+def table_note(codebook: str | None, bits_set: tuple = (), pair_table: bool = False,
+               table_decode: str = "direct") -> str:
     """What the state tables add to a shared-memory rejection ("" without tables)."""
     if not table_bytes(codebook):
         return ""
     if pair_table:
         return f" (incl. the {PAIR_TABLE_BYTES // 1024} KiB {codebook} pair table)"
+    if table_decode == "t12":
+        return f" (incl. the {T12_TABLE_BYTES // 1024} KiB {codebook} T12 table)"
     if bits_set:
         return (f" (incl. the {table_bytes(codebook, bits_set) // 1024} KiB of {codebook} state "
                 f"tables for K {', '.join(map(str, bits_set))})")
     return f" (incl. the {TABLE_BYTES // 1024} KiB {codebook} state table)"
 
 
-def stage_table(pTable, t_saddr, tidx, threads: int, nbytes: int = TABLE_BYTES):
-    """cp.async `nbytes` of state tables (64 KiB each, or the 128 KiB pair table) from
-    global memory into shared memory at `t_saddr` (one commit group; the main loop's first
-    wait covers it, groups retire in order)."""
+def stage_table(pTable, t_saddr, tidx, threads: int, nbytes: int = TABLE_BYTES, offset: int = 0):
+    """cp.async `nbytes` of state tables (64 KiB each, the 128 KiB pair table or the 4 KiB
+    T12) from global memory (`offset` bytes into `pTable`) into shared memory at `t_saddr`
+    (one commit group; the main loop's first wait covers it, groups retire in order)."""
     chunks = nbytes // 16
-    for i in range(chunks // threads):  # unrolled at trace time
+    for i in range((chunks + threads - 1) // threads):  # unrolled at trace time
         q = tidx + threads * i
-        ptx.cp_async_16(t_saddr + q * 16, pTable.toint() + Int64(q * 16))
+        src = pTable.toint() + Int64(q * 16)
+        if offset:
+            src = src + Int64(offset)
+        if threads * (i + 1) > chunks:  # more threads than chunks left (T12: 256 chunks)
+            ptx.cp_async_16_if(Int32(cutlass.select_(q < chunks, 1, 0)), t_saddr + q * 16, src)
+            continue
+        ptx.cp_async_16(t_saddr + q * 16, src)
     cute.arch.cp_async_commit_group()
 
 
@@ -94,12 +136,17 @@ def replicated(mul: int) -> int:
     return (mul * REPLICATE_INV) & 0xFFFFFFFF
 
 
-def decode_pair(s0, s1, codebook: str, table=None, rep=(False, False)):
+def decode_pair(s0, s1, codebook: str, table=None, rep=(False, False), bits: int = 0,
+                table_decode: str = "direct"):
     """Two 16-bit trellis states -> one half2 register of their codebook values (`table`:
-    the shared-memory address of the state table, table codebooks only). `rep[i]`: state i
-    arrives replicated in both halves (see `REPLICATE`), never for table codebooks."""
+    the shared-memory address of the state table, table codebooks only; with
+    `table_decode` "t12" the address of T12, indexed through the K = `bits` bijection).
+    `rep[i]`: state i arrives replicated in both halves (see `REPLICATE`), never for
+    table codebooks."""
     if codebook == "sqg_e4m3":
         assert not any(rep), "table codebooks read the zero-extended state"
+        if table_decode == "t12":
+            return ptx.e4m3_t12_pair(s0, s1, table, bits)
         return ptx.e4m3_table_pair(s0, s1, table)
 
     def mul(c: int, i: int) -> Uint32:
@@ -218,7 +265,8 @@ def _greedy_windows(bits: int, replicate: bool) -> tuple[tuple[int, ...], ...]:
     return tuple(plan)
 
 
-def decode_lane_tile(words, q0, bits: int, codebook: str, table=None) -> list:
+def decode_lane_tile(words, q0, bits: int, codebook: str, table=None,
+                     table_decode: str = "direct") -> list:
     """This lane's 8 weights of one 16x16 tile -> 4 half2 B registers (pairs in t order).
 
     `words` are the lane's `lane_window(bits)[1]` consecutive ring words (from word
@@ -227,7 +275,7 @@ def decode_lane_tile(words, q0, bits: int, codebook: str, table=None) -> list:
     (chosen at compile time by `state_windows`) put every state at a byte offset 0, 8 or 16
     of some 32-bit word, where one ALU op (shift, byte permute or mask) extracts it; for the
     arithmetic codebooks a byte-aligned state straddling two windows is one byte permute
-    too, replicated in both halves (`REPLICATE`)."""
+    too, replicated in both halves (`REPLICATE`). `table_decode`: see `decode_pair`."""
     static_q0, _ = lane_window(bits)
     if static_q0 is None:
         u0, u1, u2 = words
@@ -258,16 +306,17 @@ def decode_lane_tile(words, q0, bits: int, codebook: str, table=None) -> list:
         states.append(st)
     rep = [len(e) == 3 for e in plan]
     return [decode_pair(states[2 * p], states[2 * p + 1], codebook, table,
-                        (rep[2 * p], rep[2 * p + 1])) for p in range(4)]
+                        (rep[2 * p], rep[2 * p + 1]), bits, table_decode) for p in range(4)]
 
 
 def decode_tile(words, q0, bits: int, codebook: str, table=None,
-                pair_table: bool = False) -> list:
+                pair_table: bool = False, table_decode: str = "direct") -> list:
     """A lane's 4 half2 registers of one tile: `decode_lane_tile_pair` through the pair
-    table where the GEMM stages one (`pair_table`), else `decode_lane_tile`."""
+    table where the GEMM stages one (`pair_table`), else `decode_lane_tile` (through the
+    direct tables or T12: `table_decode`)."""
     if pair_table:
         return decode_lane_tile_pair(words, q0, table)
-    return decode_lane_tile(words, q0, bits, codebook, table)
+    return decode_lane_tile(words, q0, bits, codebook, table, table_decode)
 
 
 # -- the K=2 pair table ------------------------------------------------------------------

@@ -49,9 +49,9 @@ class Arg:
     """One entry-point argument: a pointer (``dtype`` = its pointee) or an Int32 (``dtype`` None).
 
     ``kind``: ``"input"`` (per call: x, routing), ``"weight"`` (a tensor of the layer's
-    weights, same name), ``"table"`` (the codebook's state tables: sqg_e4m3's uint8
-    [65536] per K, `kquant_cute.trellis.sqg_state_table`, one after another in the spec's
-    `bits_set` order for mixed rates; any valid address otherwise), ``"rates"`` (a mixed
+    weights, same name), ``"table"`` (the codebook's tables: sqg_e4m3's uint8
+    [65536] direct table per K in the spec's `bits_set` order (its one K when uniform),
+    then T12 [4096]: `kquant_cute.trellis.sqg_kernel_tables`; any valid address otherwise), ``"rates"`` (a mixed
     layer's rate maps, :data:`RATE_ARGS`; any valid address for a uniform K),
     ``"scratch"`` (a buffer of :func:`scratch_layout`), ``"output"`` or ``"int"``.
     """

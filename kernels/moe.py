@@ -22,14 +22,17 @@ The arguments, their order and the scratch buffers are the launch contract of
 `kernels/launch.py`.
 Token count, routed experts and the grid (from the plan's block bound) are run-time values.
 `codebook_table` is the codebook's state table (sqg_e4m3: uint8 [65536] from
-`kquant_cute.trellis.sqg_state_table(bits)`, or the 128 KiB `sqg_pair_table(bits)` where
-`MoESpec.table_layout()` says "pair"; any valid address for the other codebooks)
+`kquant_cute.trellis.sqg_kernel_tables`: the direct state table of each K, then T12, from
+which the direct and the T12 decodes stage their part (`MoESpec.table_decode`); or the
+128 KiB `sqg_pair_table(bits)` where `MoESpec.table_layout()` says "pair"; any valid
+address for the other codebooks)
 and `sm_count` the device's SMs (the table codebooks' GEMMs run a persistent grid).
 
 `MoESpec.bits_set` makes a mixed-rate specialization (QSRT `k3x22_k4x2`, docs/mixed_rates.md):
 K varies along the intermediate axis per 16-channel tile, read at run time from the rate
 maps (`fc1_bits` / `fc1_words` / `fc2_bits` / `fc2_words`, `fc1_row_words`; launch.RATE_ARGS);
-the table holds one state table per rate in `bits_set` order. Uniform specs never read them.
+the table holds one direct state table per rate in `bits_set` order (then T12). Uniform
+specs never read the rate maps.
 """
 
 from __future__ import annotations
@@ -47,10 +50,12 @@ from .launch import ARG_NAMES, ROUTE_BLOCK_SIZES  # noqa: F401 - ARG_NAMES: the 
 from .rotate import CombineOutput, MidActivation, RotateInput
 from .route_pack import RoutePack
 from .bring import DEFAULT_STAGES, K_STEPS_PER_STAGE, TILE_N, check_rates
-from .decode import TABLE_CODEBOOKS, check_pair_table
-from .trellis_gemm import (MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA, TrellisGemm,
+from .decode import TABLE_CODEBOOKS, check_pair_table, check_table_decode
+from .sqg_t12 import TABLE_DECODES, choose_table_decode
+from .trellis_gemm import (MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA, THREADS, TrellisGemm,
                            smem_bytes as gemm_smem_bytes)
-from .trellis_wgmma import TrellisWgmma, check_span, default_span, smem_bytes as wgmma_smem_bytes
+from .trellis_wgmma import (TrellisWgmma, check_span, default_span, smem_bytes as wgmma_smem_bytes,
+                            warpgroups)
 
 ACT_DTYPES = ("bfloat16", "float16")
 MMA_KINDS = ("auto", "sync", "wgmma")
@@ -73,6 +78,33 @@ def _resolve(mma: str, span: int, block_m: int, arch: str) -> tuple[str, int]:
     if span == 0 and mma in ("sync", "wgmma") and isinstance(block_m, int):
         span = default_span(block_m) if mma == "wgmma" else 1
     return mma, span
+
+
+def _resolve_table_decode(spec: "MoESpec") -> str:
+    """`table_decode` "auto" -> "direct" where the layer's direct tables (one 64 KiB table per
+    K) fit the target beside the smallest GEMM (M=8, span 1, one worker), else "t12"
+    (`sqg_t12.choose_table_decode`). One answer per layer, whatever its block size: a
+    larger M that does not fit with direct tables is rejected, as without T12, and the
+    planner falls back to a smaller one (direct decodes ~2.7x more weights per SM-clock
+    than T12 + bijection on the H200). Arithmetic codebooks read no table: "direct"."""
+    if spec.table_decode != "auto":
+        return spec.table_decode
+    if spec.codebook not in TABLE_CODEBOOKS:
+        return "direct"
+    try:
+        limit = arch_limits(spec.arch).smem_per_block_optin
+    except ValueError:
+        return "direct"  # an unknown arch: `check` reports it
+    m = min(ROUTE_BLOCK_SIZES)
+    bits_set = spec.bits_set if isinstance(spec.bits_set, tuple) else ()
+    try:
+        if spec.mma == "wgmma":
+            need = wgmma_smem_bytes(m, spec.bits, spec.stages, 1, spec.codebook, bits_set)
+        else:
+            need = gemm_smem_bytes(m, spec.bits, spec.stages, spec.codebook, bits_set)
+    except TypeError:
+        return "direct"  # malformed fields: `check` reports them
+    return choose_table_decode(need <= limit)
 
 
 @dataclass(frozen=True)
@@ -118,14 +150,22 @@ class MoESpec:
     #: The one owner of a layer's rate set in a specialization (`MixedMoEWeights.rate_set`
     #: is what the layer passes).
     bits_set: tuple = ()
-    #: (mma, span) as asked for, before resolution (not part of the key or of equality).
+    #: How a table codebook's GEMMs decode (sqg_e4m3): "direct" (one 64 KiB state table per
+    #: K in shared memory, one byte load per weight; the K=2 pair table where `pair_table`),
+    #: "t12" (the 4 KiB T12 every K shares plus the state bijection on the integer ALU,
+    #: kernels/sqg_t12.py) or "auto" (direct where the layer's direct tables fit the target,
+    #: else t12: `_resolve_table_decode`). Arithmetic codebooks read no table ("direct").
+    table_decode: str = "auto"
+    #: (mma, span, table_decode) as asked for, before resolution (not part of the key or
+    #: of equality).
     requested: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "requested", (self.mma, self.span))
+        object.__setattr__(self, "requested", (self.mma, self.span, self.table_decode))
         mma, span = _resolve(self.mma, self.span, self.block_m, self.arch)
         object.__setattr__(self, "mma", mma)
         object.__setattr__(self, "span", span)
+        object.__setattr__(self, "table_decode", _resolve_table_decode(self))
 
     def resolved(self) -> "MoESpec":
         """This spec (specs are resolved when they are made; kept for callers)."""
@@ -167,6 +207,11 @@ class MoESpec:
         if self.topk > MAX_TOPK:
             return f"topk {self.topk} > {MAX_TOPK}"
         reason = check_rates(self.bits, self.bits_set, self.codebook, "n")
+        if reason is not None:
+            return reason
+        if self.table_decode not in TABLE_DECODES:
+            return f"table_decode {self.table_decode!r} not in {('auto',) + TABLE_DECODES}"
+        reason = check_table_decode(self.codebook, self.table_decode)
         if reason is not None:
             return reason
         if self.coupled:
@@ -222,6 +267,7 @@ class MoESpec:
                 extra["pair_table"] = True
         if self.codebook in TABLE_CODEBOOKS:  # persistent grid: SMs x resident CTAs
             extra["ctas_per_sm"] = self.gemm_resident_ctas()
+            extra["table_decode"] = self.table_decode
         common = dict(block_m=self.block_m, bits=self.bits, codebook=self.codebook,
                       topk=self.topk, stages=self.stages,
                       min_ctas_per_sm=self.gemm_ctas_per_sm(), **extra)
@@ -272,9 +318,10 @@ class MoESpec:
 
     def replace(self, **changes) -> "MoESpec":
         """A copy with `changes`; "auto" / 0 requests are resolved again for the copy."""
-        mma, span = self.requested
+        mma, span, table_decode = self.requested
         changes.setdefault("mma", mma)
         changes.setdefault("span", span)
+        changes.setdefault("table_decode", table_decode)
         return dataclasses.replace(self, **changes)
 
     def kernel_name(self) -> str:
@@ -282,6 +329,7 @@ class MoESpec:
                 f"{self.out_dtype}_{self.activation}_{'shared' if self.shared_hidden_vectors else 'perexp'}"
                 f"{'_map' if self.has_expert_map else ''}{'_cpl' if self.coupled else ''}"
                 f"{'_r' + ''.join(map(str, self.bits_set)) if self.bits_set else ''}"
+                f"{'_t12' if self.table_decode == 't12' else ''}"
                 f"_e{self.num_experts}_h{self.hidden}_"
                 f"i{self.intermediate}_t{self.topk}_s{self.stages}"
                 f"{f'_o{self.occupancy}' if self.occupancy != 1 else ''}"
@@ -314,12 +362,14 @@ class MoESpec:
         128-thread CTAs, of which the table would leave one per SM, and sm_120's 99 KB per
         block hold no 128 KiB table). The same for every block size and span of a layer,
         so one table serves all of its plans."""
-        return self.mma == "wgmma" and check_pair_table(self.bits, self.bits_set,
-                                                        self.codebook) is None
+        return self.mma == "wgmma" and check_pair_table(self.bits, self.bits_set, self.codebook,
+                                                        self.table_decode) is None
 
     def table_layout(self) -> str | None:
         """What `codebook_table` holds for this spec: "pair" (`pair_table`), "direct" (one
-        64 KiB state table per rate) or None (arithmetic codebooks read none)."""
+        64 KiB state table per rate, then T12: what the direct and the T12 decodes stage
+        from, `kquant_cute.trellis.sqg_kernel_tables`) or None (arithmetic codebooks read
+        none)."""
         if self.codebook not in TABLE_CODEBOOKS:
             return None
         return "pair" if self.pair_table() else "direct"
@@ -333,20 +383,32 @@ class MoESpec:
             return 1
         limits = self.arch_limits()
         need = wgmma_smem_bytes(self.block_m, self.bits, self.stages, self.span, self.codebook,
-                                self.bits_set, workers=2, pair_table=self.pair_table())
+                                self.bits_set, workers=2, pair_table=self.pair_table(),
+                                table_decode=self.table_decode)
         return 2 if limits is not None and need <= limits.smem_per_block_optin else 1
 
     def gemm_resident_ctas(self) -> int:
         """GEMM CTAs per SM that shared memory allows (the persistent grid of a table
-        codebook is SMs x this)."""
-        smem_per_sm = self.arch_limits().smem_per_block_optin + SMEM_RESERVED_PER_CTA
+        codebook is SMs x this); with T12 also no more than fit at the per-thread register
+        maximum: the direct tables' shared memory bounds the CTAs long before registers
+        do, T12's 4 KiB does not, and the register cap that more CTAs would set makes
+        ptxas spill in the bijection (168 registers for three 128-thread wgmma CTAs at
+        M=64 spilled)."""
+        limits = self.arch_limits()
+        smem_per_sm = limits.smem_per_block_optin + SMEM_RESERVED_PER_CTA
         if self.mma == "wgmma":
+            workers = self.gemm_workers()
             need = wgmma_smem_bytes(self.block_m, self.bits, self.stages, self.span, self.codebook,
-                                    self.bits_set, self.gemm_workers(), self.pair_table())
+                                    self.bits_set, workers, self.pair_table(), self.table_decode)
+            threads = THREADS * workers * warpgroups(self.span * self.block_m, self.mixed, workers)
         else:
             need = gemm_smem_bytes(self.block_m, self.bits, self.stages, self.codebook,
-                                   self.bits_set)
-        return max(1, min(MAX_CTAS_PER_SM, smem_per_sm // (need + SMEM_RESERVED_PER_CTA)))
+                                   self.bits_set, table_decode=self.table_decode)
+            threads = THREADS
+        ctas = smem_per_sm // (need + SMEM_RESERVED_PER_CTA)
+        if self.table_decode == "t12":
+            ctas = min(ctas, limits.regs_per_sm // (threads * limits.regs_per_thread_max))
+        return max(1, min(MAX_CTAS_PER_SM, ctas))
 
 
 @dataclass(frozen=True)

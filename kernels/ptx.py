@@ -135,6 +135,29 @@ def e4m3_pair_entry(offset, sel, table, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def e4m3_t12_pair(s0, s1, table, bits: int, *, loc=None, ip=None):
+    """Two 16-bit sqg_e4m3 states (zero-extended) -> one half2 of their E4M3FN values through
+    T12 (4 KiB, shared memory at `table`): per state the integer program of
+    `kernels/sqg_t12.py` at K = `bits` computes its T12 index (rank >> 4), one byte load
+    each, then as `e4m3_table_pair`. sm_89+."""
+    from .sqg_t12 import ptx_lines, registers, t12_program
+
+    prog = t12_program(bits)
+    regs = ", ".join(f"{r}_{i}" for i in (0, 1) for r in registers(prog))
+    body = ptx_lines(prog, "_0", "$1") + ptx_lines(prog, "_1", "$2")
+    return Uint32(llvm.inline_asm(
+        T.i32(), [_u32(s0, loc, ip), _u32(s1, loc, ip), _u32(table, loc, ip)],
+        "{\n\t.reg .b32 " + regs + ", a0, a1, b0, b1, p;\n\t.reg .b16 lo, hi;\n\t"
+        + "\n\t".join(body) + "\n\t"
+        "add.u32 a0, $3, idx_0;\n\tadd.u32 a1, $3, idx_1;\n\t"
+        "ld.shared.u8 b0, [a0];\n\tld.shared.u8 b1, [a1];\n\t"
+        "prmt.b32 p, b0, b1, 0x0040;\n\tmov.b32 {lo, hi}, p;\n\t"
+        "cvt.rn.f16x2.e4m3x2 $0, lo;\n\t}",
+        "=r,r,r,r", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
 def hadd2(a, b, *, loc=None, ip=None):
     """Packed fp16x2 add (round to nearest even) of two half2 registers (FMA pipe)."""
     return Uint32(llvm.inline_asm(
@@ -318,7 +341,7 @@ def wgmma_m64k16_f16_rs(acc, a0, a1, a2, a3, b_desc, *, loc=None, ip=None):
 
 
 __all__ = [
-    "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "e4m3_table_pair", "e4m3_pair_entry", "hadd2", "st_shared_v2_f32",
+    "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "e4m3_table_pair", "e4m3_pair_entry", "e4m3_t12_pair", "hadd2", "st_shared_v2_f32",
     "copy_shared_to_global_16", "funnel_hi", "prmt_u32", "prmt2_u32",
     "cp_async_16", "ldmatrix_x4", "wgmma_fence", "wgmma_commit", "st_shared_f32",
     "wgmma_wait", "fence_proxy_async_smem", "wgmma_m64k16_f16_rs", "shfl_xor_f32", "flat_tensor", "local_expert",

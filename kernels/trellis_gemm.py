@@ -54,7 +54,7 @@ from . import ptx
 from .bring import (DEFAULT_STAGES, K_STEPS_PER_STAGE, TILE_N, BRing, b_stage_bytes,
                     check_geometry)
 from .decode import (check_pair_table, decode_tile, lane_words, persistent_grid, stage_table,
-                     table_bytes, table_note)
+                     table_bytes, table_note, table_offset)
 
 NUM_WARPS = 4
 THREADS = 32 * NUM_WARPS
@@ -75,10 +75,12 @@ def a_smem_halves(block_m: int, stages: int) -> int:
 
 
 def smem_bytes(block_m: int, bits: int, stages: int, codebook: str | None = None,
-               bits_set: tuple = (), pair_table: bool = False) -> int:
+               bits_set: tuple = (), pair_table: bool = False,
+               table_decode: str = "direct") -> int:
     """Dynamic shared memory of one CTA: the codebook's state tables, the A region (ring /
     epilogue staging) and the B ring (sized for `bits`, the widest K)."""
-    return (table_bytes(codebook, bits_set, pair_table) + a_smem_halves(block_m, stages) * 2
+    return (table_bytes(codebook, bits_set, pair_table, table_decode)
+            + a_smem_halves(block_m, stages) * 2
             + stages * b_stage_bytes(bits))
 
 
@@ -88,10 +90,11 @@ class TrellisGemm:
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                  topk: int, a_rows_per_token: bool, stages: int = DEFAULT_STAGES,
                  min_ctas_per_sm: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
-                 rate_axis: str = "n", pair_table: bool = False):
+                 rate_axis: str = "n", pair_table: bool = False, table_decode: str = "direct"):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages, bits_set=bits_set,
-                                    rate_axis=rate_axis, pair_table=pair_table)
+                                    rate_axis=rate_axis, pair_table=pair_table,
+                                    table_decode=table_decode)
         if reason is not None:
             raise ValueError(reason)
         self.block_m = block_m
@@ -108,14 +111,19 @@ class TrellisGemm:
         self.ctas_per_sm = ctas_per_sm
         # The trellis words' ring (and, for mixed rates, each stage's K: module docstring).
         self.ring = BRing(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
-                          stages=stages, bits_set=bits_set, rate_axis=rate_axis)
+                          stages=stages, bits_set=bits_set, rate_axis=rate_axis,
+                          table_decode=table_decode)
         self.table = self.ring.table
         self.mixed = self.ring.mixed
         self.bits_set = self.ring.bits_set
         self.rates = self.ring.rates
         # K=2 pair table (128 KiB, `decode.decode_lane_tile_pair`) instead of the direct table.
         self.pair_table = pair_table
-        self.table_bytes = table_bytes(codebook, self.bits_set, pair_table)
+        self.table_bytes = table_bytes(codebook, self.bits_set, pair_table, table_decode)
+        # Direct tables or T12 + bijection (`MoESpec.table_decode`), and where the staged
+        # bytes start in the table argument.
+        self.table_decode = table_decode
+        self.table_offset = table_offset(codebook, self.bits_set, table_decode)
         # Derived once.
         self.m_tiles = (block_m + 15) // 16
         self.m_pad = 16 * self.m_tiles
@@ -124,7 +132,8 @@ class TrellisGemm:
         self.a_chunks = block_m * (K_STEPS_PER_STAGE * 16 * 2 // 16)  # 16-byte copies per stage
         self.a_iters = (self.a_chunks + THREADS - 1) // THREADS
         self.threads = THREADS
-        self.smem_bytes = smem_bytes(block_m, bits, stages, codebook, self.bits_set, pair_table)
+        self.smem_bytes = smem_bytes(block_m, bits, stages, codebook, self.bits_set, pair_table,
+                                     table_decode)
 
     @staticmethod
     def occupancy_target(block_m: int, bits: int, stages: int, smem_per_sm: int,
@@ -140,19 +149,21 @@ class TrellisGemm:
                       stages: int = DEFAULT_STAGES, smem_limit: int | None = None,
                       topk: int = 1, a_rows_per_token: bool = False,
                       min_ctas_per_sm: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
-                      rate_axis: str = "n", pair_table: bool = False) -> str | None:
+                      rate_axis: str = "n", pair_table: bool = False,
+                      table_decode: str = "direct") -> str | None:
         """None when this geometry compiles to a valid kernel, else the reason (takes the
         constructor's arguments; `smem_limit`: the target's per-block shared memory)."""
         reason = check_geometry(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                 codebook=codebook, stages=stages, bits_set=bits_set,
-                                rate_axis=rate_axis)
+                                rate_axis=rate_axis, table_decode=table_decode)
         if reason is None and pair_table:
-            reason = check_pair_table(bits, bits_set, codebook)
+            reason = check_pair_table(bits, bits_set, codebook, table_decode)
         if reason is not None:
             return reason
-        need = smem_bytes(block_m, bits, stages, codebook, bits_set, pair_table)
+        need = smem_bytes(block_m, bits, stages, codebook, bits_set, pair_table, table_decode)
         if smem_limit is not None and need > smem_limit:
-            return (f"shared memory {need:,} B{table_note(codebook, bits_set, pair_table)} > "
+            return (f"shared memory {need:,} B"
+                    f"{table_note(codebook, bits_set, pair_table, table_decode)} > "
                     f"{smem_limit:,} B per-block limit")
         return None
 
@@ -298,7 +309,7 @@ class TrellisGemm:
         (`tab`: the state table's shared-memory address, table codebooks only)."""
         bits = self.bits if bits is None else bits
         return decode_tile(self.stage_words(sB, buf, kk, warp, widx, jj, bits), q0, bits,
-                           self.codebook, tab, self.pair_table)
+                           self.codebook, tab, self.pair_table, self.table_decode)
 
     # -- mixed rates (module docstring) -------------------------------------------------
 
@@ -360,7 +371,7 @@ class TrellisGemm:
             # Persistent CTA: stage the state table once, then every grid-th work item.
             gdim, _, _ = cute.arch.grid_dim()
             if bidx < total:
-                stage_table(pTable, tab, tidx, THREADS, self.table_bytes)
+                stage_table(pTable, tab, tidx, THREADS, self.table_bytes, self.table_offset)
             for work in range(bidx, total, gdim):
                 self.work_item(work, mSorted, mBlockExpert, pOut, n_routes, zero_row, a_gaddr,
                                b_gaddr, a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx,

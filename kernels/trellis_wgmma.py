@@ -58,7 +58,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from . import ptx
 from .bring import K_STEPS_PER_STAGE, TILE_N, BRing, b_stage_bytes, check_geometry
 from .decode import (TABLE_CODEBOOKS, check_pair_table, decode_tile, lane_words,
-                     persistent_grid, stage_table, table_bytes, table_note)
+                     persistent_grid, stage_table, table_bytes, table_note, table_offset)
 from .trellis_gemm import NUM_WARPS, THREADS
 
 CORE_ROWS = 8  # rows of a wgmma core matrix (the swizzle period)
@@ -100,14 +100,14 @@ def a_region_bytes(rows: int, stages: int) -> int:
 
 def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1,
                codebook: str | None = None, bits_set: tuple = (), workers: int = 1,
-               pair_table: bool = False) -> int:
+               pair_table: bool = False, table_decode: str = "direct") -> int:
     """The codebook's state tables, then per worker the activation ring (reused by the
     epilogue's tile) and the B ring (sized for `bits`, the widest K)."""
     rows = span * block_m
     a_region = max(stages * a_stage_bytes(rows), rows * OUT_ROW_FLOATS * 4)
     if workers > 1:
         a_region = a_region_bytes(rows, stages)
-    return (table_bytes(codebook, bits_set, pair_table)
+    return (table_bytes(codebook, bits_set, pair_table, table_decode)
             + workers * (a_region + stages * b_stage_bytes(bits)))
 
 
@@ -149,7 +149,7 @@ class TrellisWgmma:
     def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                       stages: int, span: int = 1, smem_limit: int | None = None,
                       bits_set: tuple = (), workers: int = 1, pair_table: bool = False,
-                      **gemm_args) -> str | None:
+                      table_decode: str = "direct", **gemm_args) -> str | None:
         """None when this geometry compiles to a valid kernel, else the reason: the span,
         the geometry rules every trellis GEMM shares (`bring.check_geometry`), this
         kernel's smem."""
@@ -157,34 +157,42 @@ class TrellisWgmma:
         if reason is None:
             reason = check_geometry(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages, bits_set=bits_set,
-                                    rate_axis=gemm_args.get("rate_axis", "n"))
+                                    rate_axis=gemm_args.get("rate_axis", "n"),
+                                    table_decode=table_decode)
         if reason is None and pair_table:
-            reason = check_pair_table(bits, bits_set, codebook)
+            reason = check_pair_table(bits, bits_set, codebook, table_decode)
         if reason is None and smem_limit is not None:
-            need = smem_bytes(block_m, bits, stages, span, codebook, bits_set, workers, pair_table)
+            need = smem_bytes(block_m, bits, stages, span, codebook, bits_set, workers, pair_table,
+                              table_decode)
             if need > smem_limit:
-                reason = (f"shared memory {need:,} B{table_note(codebook, bits_set, pair_table)} > "
+                reason = (f"shared memory {need:,} B"
+                          f"{table_note(codebook, bits_set, pair_table, table_decode)} > "
                           f"{smem_limit:,} B per-block limit")
         return reason
 
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                  topk: int, a_rows_per_token: bool, stages: int, min_ctas_per_sm: int = 1,
                  span: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
-                 rate_axis: str = "n", workers: int = 1, pair_table: bool = False):
+                 rate_axis: str = "n", workers: int = 1, pair_table: bool = False,
+                 table_decode: str = "direct"):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages, span=span,
                                     bits_set=bits_set, workers=workers, rate_axis=rate_axis,
-                                    pair_table=pair_table)
+                                    pair_table=pair_table, table_decode=table_decode)
         if reason is not None:
             raise ValueError(reason)
         # The trellis words' ring (and, for mixed rates, each stage's K), as in TrellisGemm.
         self.ring = BRing(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
-                          stages=stages, bits_set=bits_set, rate_axis=rate_axis)
+                          stages=stages, bits_set=bits_set, rate_axis=rate_axis,
+                          table_decode=table_decode)
         self.topk = topk
         self.a_rows_per_token = a_rows_per_token
         # K=2 pair table (128 KiB, `decode.decode_lane_tile_pair`) instead of the direct table.
         self.pair_table = pair_table
-        self.table_bytes = table_bytes(codebook, self.ring.bits_set, pair_table)
+        self.table_bytes = table_bytes(codebook, self.ring.bits_set, pair_table, table_decode)
+        # Direct tables or T12 + bijection (`MoESpec.table_decode`; the ring's rate_table
+        # follows it too), and where the staged bytes start in the table argument.
+        self.table_offset = table_offset(codebook, self.ring.bits_set, table_decode)
         # Register-allocation target (nvvm.minctasm) and, for table codebooks, resident
         # CTAs per SM of the persistent grid.
         self.min_ctas_per_sm = min_ctas_per_sm
@@ -213,7 +221,7 @@ class TrellisWgmma:
         if workers > 1:
             self.a_region = a_region_bytes(self.rows, stages)
         self.smem_bytes = smem_bytes(block_m, bits, stages, span, codebook, self.ring.bits_set,
-                                     workers, pair_table)
+                                     workers, pair_table, table_decode)
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
@@ -253,7 +261,7 @@ class TrellisWgmma:
         ring = self.ring
         words = ring.tile_words_at(sB, buf, kk, n16, widx, bits)
         h = decode_tile(words, q0, ring.bits if bits is None else bits, ring.codebook, tab,
-                        self.pair_table)
+                        self.pair_table, ring.table_decode)
         return h[0], h[2], h[1], h[3]
 
     @cute.kernel
@@ -319,7 +327,8 @@ class TrellisWgmma:
             if cutlass.const_expr(self.workers > 1):
                 busy = bidx * self.workers < total
             if busy:
-                stage_table(pTable, tab, cta_tidx, self.threads, self.table_bytes)
+                stage_table(pTable, tab, cta_tidx, self.threads, self.table_bytes,
+                            self.table_offset)
                 if cutlass.const_expr(self.workers > 1):
                     # The tables are copied by every worker and read by each: complete and
                     # visible before the workers part (their barriers are their own).

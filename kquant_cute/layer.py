@@ -70,7 +70,7 @@ def layer_spec(weights, *, topk: int, act_dtype: torch.dtype = torch.bfloat16,
                out_dtype: torch.dtype = torch.float32, activation: str = "silu",
                num_global_experts: Optional[int] = None, stages: Optional[int] = None,
                occupancy: Optional[int] = None, mma: Optional[str] = None,
-               span: Optional[int] = None) -> MoESpec:
+               span: Optional[int] = None, table_decode: Optional[str] = None) -> MoESpec:
     """The base `MoESpec` (block_m 8) a `MoELayer` with these arguments plans from; weights
     may be any object with the `MoEWeights` shape properties (e.g. CPU weights, to prewarm
     the cache for a GPU run with `compiler.plan_forward`), or `MixedMoEWeights` (their
@@ -83,7 +83,8 @@ def layer_spec(weights, *, topk: int, act_dtype: torch.dtype = torch.bfloat16,
                    shared_hidden_vectors=weights.shared_hidden_vectors,
                    has_expert_map=num_global_experts is not None,
                    coupled=bool(getattr(weights, "coupled", False)))
-    knobs = {"stages": stages, "occupancy": occupancy, "mma": mma, "span": span}
+    knobs = {"stages": stages, "occupancy": occupancy, "mma": mma, "span": span,
+             "table_decode": table_decode}
     return base.replace(**{k: v for k, v in knobs.items() if v is not None})
 
 
@@ -104,7 +105,7 @@ class MoELayer:
                  activation: str = "silu", num_global_experts: Optional[int] = None,
                  arch: Optional[str] = None, stages: Optional[int] = None,
                  occupancy: Optional[int] = None, mma: Optional[str] = None,
-                 span: Optional[int] = None,
+                 span: Optional[int] = None, table_decode: Optional[str] = None,
                  environ=None, cache=None,
                  banded: Optional[bool] = None, stream_arenas: bool = False):
         # Configuration first: a bad KQUANT_* variable is one clear error here, never a
@@ -145,7 +146,8 @@ class MoELayer:
             arch = f"sm_{major}{minor}"
         base = layer_spec(weights, topk=topk, act_dtype=act_dtype, out_dtype=out_dtype,
                           activation=activation, num_global_experts=num_global_experts,
-                          stages=stages, occupancy=occupancy, mma=mma, span=span)
+                          stages=stages, occupancy=occupancy, mma=mma, span=span,
+                          table_decode=table_decode)
         if capacity > base.max_tokens():
             raise ValueError(f"capacity {capacity} > {base.max_tokens()} (32-bit scratch indexing)")
         self.plan: ForwardPlan = plan_forward(base, capacity=capacity, arch=arch, env=env,
@@ -176,17 +178,16 @@ class MoELayer:
                 raise ValueError(f"weights.{name} must be contiguous and 16-byte aligned")
         # A placeholder int32 so the expert_map argument always has a valid address.
         self._no_map = torch.full((1,), -1, dtype=torch.int32, device=self.device)
-        # The codebook's state table (sqg_e4m3: 64 KiB of E4M3 bytes per K, or the 128 KiB
-        # K=2 pair table, staged into shared memory by each persistent GEMM CTA); other
-        # codebooks read none (any address).
+        # The codebook's state table (sqg_e4m3: 64 KiB of E4M3 bytes per K then the 4 KiB
+        # T12, or the 128 KiB K=2 pair table; each persistent GEMM CTA stages the part its
+        # spec decodes through); other codebooks read none (any address).
         layouts = {s.table_layout() for s in self.plan.specs()}
         if len(layouts) > 1:  # MoESpec.pair_table is the same for every block size
             raise RuntimeError(f"the layer's plans read different state tables: {layouts}")
         if layouts == {"pair"}:  # the K=2 pair table (MoESpec.pair_table)
             self._table = trellis.sqg_pair_table(base.bits, self.device)
-        elif weights.codebook == "sqg_e4m3":  # mixed rates: one table per K, in bits_set order
-            self._table = torch.cat([trellis.sqg_state_table(k, self.device)
-                                     for k in (base.bits_set or (base.bits,))])
+        elif weights.codebook == "sqg_e4m3":  # direct tables in bits_set order, then T12
+            self._table = trellis.sqg_kernel_tables(base.bits_set or (base.bits,), self.device)
         else:
             self._table = torch.zeros(16, dtype=torch.uint8, device=self.device)
         self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count

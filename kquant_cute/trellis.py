@@ -59,6 +59,7 @@ __all__ = [
     "t12_table",
     "sqg_state_table",
     "sqg_pair_table",
+    "sqg_kernel_tables",
     "tile_position_map",
     "tile_inverse_position_map",
     "tiles_to_matrix",
@@ -285,6 +286,20 @@ def sqg_pair_table(bits: int, device: Optional[torch.device | str] = None) -> to
         with _lock:
             table = _LUT_CACHE.setdefault(key, table)
     return table
+
+
+def sqg_kernel_tables(rates: tuple, device: Optional[torch.device | str] = None) -> torch.Tensor:
+    """uint8: the `codebook_table` argument of the fused sqg_e4m3 kernels for a layer of K in
+    `rates` (ascending; one K for a uniform layer) that decodes through direct tables or T12
+    (`MoESpec.table_layout()` "direct"): the direct table of each K (`sqg_state_table`,
+    65,536 bytes each, in `rates` order), then T12 (4,096 bytes). A specialization stages
+    the part its `MoESpec.table_decode` reads (the direct tables, or T12 at offset 65,536 x
+    len(rates): `kernels/decode.py`'s `table_offset`), so every plan of a layer shares one
+    tensor."""
+    rates = tuple(rates)
+    if not rates:
+        raise ValueError("rates must name at least one K")
+    return torch.cat([sqg_state_table(k, device) for k in rates] + [t12_table(device)])
 
 
 def _generate_t12() -> torch.Tensor:

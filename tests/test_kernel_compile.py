@@ -111,7 +111,7 @@ def test_static_rejections_name_the_reason():
     assert spec.replace(codebook="sqg_e4m3", bits=4).check() is None
     # "auto" resolves by arch when the spec is made; the resolved spec names and keys the
     # object, and replace() resolves the request again (M=32 gets its own span).
-    assert (spec.mma, spec.span) == ("wgmma", 1) and spec.requested == ("auto", 0)
+    assert (spec.mma, spec.span) == ("wgmma", 1) and spec.requested == ("auto", 0, "auto")
     assert spec.replace(arch="sm_120a").mma == "sync"
     assert spec.replace(block_m=32).kernel_name().endswith("_wgmma_x2_sm_90a")
     pinned = spec.replace(mma="wgmma", span=1)
@@ -193,6 +193,7 @@ def test_sqg_e4m3_compiles_with_its_state_table(arch, cache):
         assert gemm["shared"] >= dynamic > TABLE_BYTES
         ctas = spec.gemm_resident_ctas()
         assert ctas * (dynamic + 1024) <= per_sm < (ctas + 1) * (dynamic + 1024)
+        assert spec.table_decode == "direct"
     if arch == "sm_120a":
         reason = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=4, block_m=64,
                                           arch=arch).check(limits.smem_per_block_optin)
@@ -281,17 +282,77 @@ def test_mixed_rates_compile_on_sm90_with_a_table_per_rate(cache):
     assert plan.prefill.spec.bits_set == (3, 4) and "_r34_" in plan.prefill.spec.kernel_name()
 
 
+@needs_cuobjdump
+def test_mixed_rates_compile_on_sm120_through_t12(cache):
+    """k3x22_k4x2 on sm_120 (101,376 B per block): its two 64 KiB direct tables do not fit,
+    so the spec resolves to the T12 decode (4 KiB for every K, the bijection on the ALU).
+    The plan's specializations compile with measured resources: no spills, shared memory
+    under the limit and holding T12 plus the K=4 rings; M=64 (if the walk built it) is
+    rejected only for its registers."""
+    from kquant_cute.kernels.bring import b_stage_bytes
+    from kquant_cute.kernels.sqg_t12 import T12_TABLE_BYTES
+
+    limits = arch_limits("sm_120a")
+    base = DEFAULT_GEOMETRY.replace(arch="sm_120a", **MIXED)
+    assert base.table_decode == "t12" and "_r34_t12_" in base.kernel_name()
+    assert base.replace(arch="sm_90a").table_decode == "direct"
+    plan = plan_forward(base, capacity=4096, arch="sm_120", env=resolve_env({}), cache=cache,
+                        banded=False)
+    assert plan.decode.spec.block_m == 8 and plan.prefill is not None
+    for entry in plan.entries.values():
+        spec = entry.spec
+        assert spec.table_decode == "t12" and spec.mma == "sync"
+        verdict = geometry_check(spec, cache)
+        assert verdict.ok and verdict.spills == 0, (spec.block_m, verdict.reason)
+        assert 0 < verdict.registers <= limits.regs_per_thread_max
+        dynamic = spec.dynamic_smem()["TrellisGemm"]
+        assert dynamic >= T12_TABLE_BYTES + spec.stages * b_stage_bytes(4)
+        assert dynamic == spec.replace(table_decode="direct").dynamic_smem()["TrellisGemm"] \
+            - 2 * 65536 + T12_TABLE_BYTES
+        gemms = [k for k in _resources(spec, cache)["kernels"] if k["kernel"] == "TrellisGemm"]
+        assert len(gemms) == 3
+        assert all(dynamic <= g["shared"] < limits.smem_per_block_optin for g in gemms)
+    for c in plan.route.candidates:
+        if not c.ok:
+            assert "register spills" in c.verdict.reason, (c.block_m, c.verdict.reason)
+
+
+def test_table_decode_resolution_and_rejections():
+    """`table_decode` "auto" resolves per layer: direct where the layer's direct tables fit
+    beside the smallest GEMM, else T12; forced values are checked. The production QSRT
+    profile (uniform K=2, coupled) keeps the direct table on sm_120 for M <= 32."""
+    lim120 = arch_limits("sm_120a").smem_per_block_optin
+    prod = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, coupled=True,
+                                    shared_hidden_vectors=True, arch="sm_120a")
+    for m in (8, 16, 32):
+        spec = prod.replace(block_m=m)
+        assert spec.table_decode == "direct" and spec.check(smem_limit=lim120) is None
+    assert "64 KiB sqg_e4m3 state table" in prod.replace(block_m=64).check(smem_limit=lim120)
+    assert prod.replace(table_decode="t12", block_m=64).check(smem_limit=lim120) is None
+    mixed = DEFAULT_GEOMETRY.replace(block_m=8, arch="sm_120a", **MIXED)
+    assert mixed.table_decode == "t12" and mixed.replace(block_m=64).table_decode == "t12"
+    assert mixed.replace(arch="sm_90a").table_decode == "direct"
+    assert mixed.replace(arch="sm_90a").replace(arch="sm_120a").table_decode == "t12"
+    assert DEFAULT_GEOMETRY.table_decode == "direct"  # arithmetic codebooks read no table
+    assert "needs a table codebook" in DEFAULT_GEOMETRY.replace(table_decode="t12").check()
+    assert "not in" in mixed.replace(table_decode="t13").check()
+    subs = {s.role: s.args for s in mixed.sub_kernels()}
+    assert subs["gemm1"]["table_decode"] == subs["gemm2"]["table_decode"] == "t12"
+
+
 def test_mixed_rate_rejections_name_the_reason():
-    """Where the tables do not fit (sm_120's 99 KB; three rates at wide blocks on sm_90)
-    the geometry is rejected before compiling, naming them; bad rate sets say why."""
+    """Where the direct tables do not fit (sm_120's 99 KB when forced; three rates at wide
+    blocks on sm_90) the geometry is rejected before compiling, naming them; bad rate sets
+    say why."""
     base = DEFAULT_GEOMETRY.replace(block_m=8, **MIXED)
     lim90 = arch_limits("sm_90a").smem_per_block_optin
     lim120 = arch_limits("sm_120a").smem_per_block_optin
-    reason = base.replace(arch="sm_120a").check(smem_limit=lim120)
+    reason = base.replace(arch="sm_120a", table_decode="direct").check(smem_limit=lim120)
     assert "128 KiB of sqg_e4m3 state tables for K 3, 4" in reason and "101,376" in reason
     with pytest.raises(ValueError, match="decode specialization is not implementable: "
                                          "shared memory .* state tables"):
-        plan_forward(base, capacity=64, arch="sm_120", env=resolve_env({}))
+        plan_forward(base.replace(table_decode="direct"), capacity=64, arch="sm_120",
+                     env=resolve_env({}))
     three = base.replace(bits_set=(2, 3, 4), arch="sm_90a")
     assert three.replace(block_m=16).check(smem_limit=lim90) is None
     assert "192 KiB of sqg_e4m3 state tables" in three.replace(block_m=64).check(smem_limit=lim90)
