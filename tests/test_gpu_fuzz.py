@@ -2,12 +2,17 @@
 
 A compile costs seconds of CPU per specialization, so the fuzz draws a few dozen random
 layer geometries (E, H, I, top-k, K, codebook, act / out dtype, activation, shared or
-per-expert vectors, expert map, MMA kind, pinned prefill M, capacity), compiles each once,
+per-expert vectors, expert map, MMA kind, pinned prefill M, capacity; for sqg_e4m3 also
+K = 2..4, the QSRT coupled transforms, a mixed rate set with its rate maps, and the table
+decode: direct tables or T12 + bijection), compiles each once,
 and runs many random cases per geometry: token count m (0 and the capacity included),
 routing (random top-k, duplicate ids, -1 ids, all on one expert), expert maps (-1 entries,
 several global ids on one local expert) and fresh weight values copied into the layer's
 tensors. Every case runs into a NaN-poisoned output and is compared with
-`reference_moe` in fp64. Seed and counts are printed (`pytest -s`) and asserted.
+`reference_moe` in fp64; a case bound to a block size other than the decode plan's M=8 is
+run again through that M=8 specialization (a second layer over the same weights and cache
+entry), and the two outputs must be bitwise equal. Seed and counts are printed
+(`pytest -s`) and asserted.
 
 KQUANT_FUZZ_SEED (default 2026) and KQUANT_FUZZ_CASES (default 240) change the draw.
 `python tests/test_gpu_fuzz.py --prewarm [--arch sm_90] [--jobs N]` compiles the fuzz's
@@ -42,12 +47,14 @@ class Geometry:
     num_global: int | None  # expert map over this many global ids, or None
     pin: int  # pinned prefill M, 0 = decode plan only
     capacity: int
+    maps_seed: int = 0  # mixed rates (`spec.bits_set`): the seed of the rate maps
 
 
 def geometries(seed: int = SEED, count: int = GEOMETRIES, wgmma: bool = True) -> list[Geometry]:
     """The fuzz's layer geometries: a pure function of the seed."""
     rng = random.Random(seed)
     out = []
+    n_sqg = 0
     for _ in range(count):
         e = rng.choice([1, 2, 3, 5, 8, 12, 16, 33])
         num_global = rng.choice([None, None, e + rng.randint(0, 9)])
@@ -55,14 +62,27 @@ def geometries(seed: int = SEED, count: int = GEOMETRIES, wgmma: bool = True) ->
         spec = MoESpec(
             num_experts=e, hidden=128 * rng.randint(1, 4), intermediate=128 * rng.randint(1, 3),
             topk=rng.randint(1, min(8, ids)), bits=rng.randint(2, 6),
-            codebook=rng.choice(["mcg", "3inst", "mul1"]), block_m=8,
+            codebook=rng.choice(["mcg", "3inst", "mul1", "sqg_e4m3", "sqg_e4m3"]), block_m=8,
             act_dtype=rng.choice(["bfloat16", "float16"]),
             out_dtype=rng.choice(["float32", "bfloat16", "float16"]),
             activation=rng.choice(["silu", "situ"]), shared_hidden_vectors=rng.random() < 0.5,
             has_expert_map=num_global is not None)
         mma = rng.choice(["sync", "wgmma"]) if wgmma else "sync"
+        maps_seed = 0
+        if spec.codebook == "sqg_e4m3":  # QSRT: K 2..4, coupled, mixed rates, table decode
+            # Rate sets and coupling cycle (every pairing of the two within 15 draws).
+            rates = [(), (3, 4), (), (2, 3, 4), (2, 4)][n_sqg % 5]
+            coupled = n_sqg % 3 == 0
+            n_sqg += 1
+            spec = spec.replace(bits=rates[-1] if rates else 2 + spec.bits % 3, bits_set=rates,
+                                coupled=coupled, hidden=512 if coupled else spec.hidden,
+                                shared_hidden_vectors=(spec.shared_hidden_vectors or coupled
+                                                       or bool(rates)),
+                                table_decode=rng.choice(["auto", "t12"]))
+            maps_seed = rng.randrange(2**31) if rates else 0
         out.append(Geometry(spec=spec.replace(mma=mma), num_global=num_global,
-                            pin=rng.choice([0, 16, 32, 48, 64]), capacity=rng.randint(8, 320)))
+                            pin=rng.choice([0, 16, 32, 48, 64]), capacity=rng.randint(8, 320),
+                            maps_seed=maps_seed))
     return out
 
 
@@ -77,12 +97,30 @@ def _env(g: Geometry) -> dict:
 
 
 def _weights(g: Geometry, seed: int, device=None):
+    """Random weights of `g` (mixed rates: the geometry's own rate maps, the same for every
+    seed, so fresh values fit the layer's rate arguments)."""
+    import torch
+
+    from kquant_cute.mixed import MixedMoEWeights
     from kquant_cute.weights import MoEWeights
 
     s = g.spec
-    return MoEWeights.random(s.num_experts, s.hidden, s.intermediate, s.bits, s.codebook,
-                             shared_hidden_vectors=s.shared_hidden_vectors, seed=seed,
-                             device=device)
+    if not s.bits_set:
+        return MoEWeights.random(s.num_experts, s.hidden, s.intermediate, s.bits, s.codebook,
+                                 shared_hidden_vectors=s.shared_hidden_vectors,
+                                 coupled=s.coupled, seed=seed, device=device)
+    # One K per 128-channel FC1 N tile and per 64-channel FC2 stage (the kernels' runs,
+    # `MoESpec.rate_runs`), every rate present.
+    gen = torch.Generator().manual_seed(g.maps_seed)
+    r = torch.tensor(s.bits_set, dtype=torch.uint8)
+    runs = MoESpec.rate_runs()
+    fc = [r[torch.randint(len(r), (s.num_experts, s.intermediate // n), generator=gen)]
+          for n in (runs["fc1"], runs["fc2"])]
+    for f in fc:
+        f.view(-1)[: len(r)] = r
+    fc1, fc2 = (f.repeat_interleave(n // 16, dim=1) for f, n in zip(fc, (runs["fc1"], runs["fc2"])))
+    return MixedMoEWeights.random(fc1, fc2, s.hidden, s.codebook, coupled=s.coupled, seed=seed,
+                                  device=device)
 
 
 def _prewarm_one(args):
@@ -138,16 +176,21 @@ def test_fuzz_against_fp64_reference():
     per = math.ceil(CASES / len(gs))
     rng = random.Random(SEED + 1)
     specs, counts, failures, worst = set(), {}, [], 0.0
-    cases = 0
+    cases = across_m = 0
     for gi, g in enumerate(gs):
         s = g.spec
         wts = _weights(g, SEED + gi, device="cuda")
-        layer = MoELayer(wts, topk=s.topk, capacity=g.capacity,
-                         act_dtype=_torch_dtype(s.act_dtype), out_dtype=_torch_dtype(s.out_dtype),
-                         activation=s.activation, num_global_experts=g.num_global, mma=s.mma,
-                         environ=_env(g))
+        args = dict(topk=s.topk, capacity=g.capacity, act_dtype=_torch_dtype(s.act_dtype),
+                    out_dtype=_torch_dtype(s.out_dtype), activation=s.activation,
+                    num_global_experts=g.num_global, mma=s.mma, table_decode=s.requested[2])
+        layer = MoELayer(wts, environ=_env(g), **args)
         # The layer plans the fuzz's spec (what --prewarm compiled), on this GPU's arch.
         assert layer.plan.base == s.replace(arch=layer.plan.base.arch), (layer.plan.base, s)
+        # The decode plan's M=8 alone (the same specialization as `layer`'s decode entry):
+        # the bitwise reference for cases `layer` binds to another M.
+        m8 = MoELayer(wts, environ=_env(Geometry(s, g.num_global, 0, g.capacity)),
+                      banded=False, **args)
+        assert m8.plan.specs() == [layer.plan.decode.spec]
         specs.update(layer.plan.specs())
         tol = 1e-2 if "bfloat16" in (s.act_dtype, s.out_dtype) else 3e-3
         for ci in range(per):
@@ -176,6 +219,13 @@ def test_fuzz_against_fp64_reference():
             if torch.isnan(out).any():
                 failures.append(f"{where}: NaN left in the poisoned output")
                 continue
+            if m and bound.block_m != m8.plan.decode.spec.block_m:
+                m8.output.fill_(float("nan"))
+                out8 = m8.bind(x, ids, w, **kw).run().clone()
+                torch.cuda.synchronize()
+                across_m += 1
+                if not torch.equal(out, out8):
+                    failures.append(f"{where}: output differs from the M=8 plan's")
             norm = ref.norm().item()
             if norm == 0.0:
                 if not torch.equal(out.double(), ref):
@@ -187,6 +237,7 @@ def test_fuzz_against_fp64_reference():
                 failures.append(f"{where}: rel err {err:.3e} >= {tol}")
     summary = (f"fuzz seed {SEED}: {cases} cases over {len(gs)} geometries, "
                f"{len(specs)} compiled specializations; worst err/tol {worst:.3f}; "
+               f"{across_m} cases bitwise against M=8; "
                f"cases by (routing, M): {dict(sorted(counts.items()))}")
     print(summary)
     assert not failures, summary + "\n" + "\n".join(failures[:20])

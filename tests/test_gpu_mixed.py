@@ -103,14 +103,81 @@ def test_mixed_decode_bit_exact_through_gemm(axis, mma):
     assert torch.equal(out.cpu(), ref), (out.cpu() - ref).abs().max()
 
 
+@pytest.mark.parametrize("mma", ["sync", "wgmma"])
+def test_t12_decode_every_state_through_gemm(mma):
+    """The T12 path (`table_decode="t12"`, forced on this GPU: T12 in shared memory, the
+    state bijection of kernels/sqg_t12.py on the ALU) against the reference codec on all
+    65,536 states of each K: one expert's gate at K = 2, 3, 4 (8 N tiles each, about a
+    million weights per K, every state present: asserted), identity activations, the
+    GEMM output equal to the decoded weights bit for bit. The table argument is the
+    layer's (direct tables, then T12), so the T12 offset is exercised too."""
+    _needs_sm90(mma)
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from kquant_cute import trellis
+    from kquant_cute.kernels.trellis_gemm import TrellisGemm
+    from kquant_cute.kernels.trellis_wgmma import TrellisWgmma
+    from kquant_cute.mixed import MixedMoEWeights
+
+    rates, block_m, h = (2, 3, 4), 16, 1024
+    fc1 = torch.tensor(rates, dtype=torch.uint8).repeat_interleave(8 * 8).view(1, -1)
+    i = fc1.shape[1] * 16  # 3,072 channels: 8 N tiles of 128 per K
+    cpu = MixedMoEWeights.random(fc1, fc1[:, : i // 16], h, seed=29)
+    off = cpu.fc1_offsets()[0].tolist()
+    seen = {k: torch.zeros(1 << 16, dtype=torch.bool) for k in rates}
+    for j, k in enumerate(fc1[0].tolist()):
+        seen[k][trellis.tile_states(cpu.gate_trellis[0, :, off[j]: off[j] + 16 * k])
+                .reshape(-1)] = True
+    assert all(bool(v.all()) for v in seen.values()), "the seed leaves a state out"
+    w = cpu.to("cuda")
+    maps, row_words = w.rate_args()
+    a = torch.zeros(h + 1, h, dtype=torch.float16, device="cuda")
+    a[:h] = torch.eye(h, dtype=torch.float16, device="cuda")
+    routes = torch.arange(h, dtype=torch.int32, device="cuda")
+    blocks = torch.zeros(h // block_m, dtype=torch.int32, device="cuda")
+    num = torch.tensor([h], dtype=torch.int32, device="cuda")
+    out = torch.full((h, i), float("nan"), device="cuda")
+    Gemm = TrellisWgmma if mma == "wgmma" else TrellisGemm
+    gemm = Gemm(block_m=block_m, k_dim=h, n_dim=i, bits=4, codebook="sqg_e4m3", topk=1,
+                a_rows_per_token=False, stages=4, bits_set=rates, rate_axis="n",
+                table_decode="t12", ctas_per_sm=2)
+    assert gemm.smem_bytes < 101_376  # what sm_120 offers per block
+    table = trellis.sqg_kernel_tables(rates, "cuda")
+
+    def P(t, dt):
+        return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+
+    groups = [P(blocks, cutlass.Int32), P(num, cutlass.Int32)]
+    if mma == "wgmma":
+        offsets = torch.tensor([0, h], dtype=torch.int32, device="cuda")
+        groups += [P(offsets, cutlass.Int32), P(num, cutlass.Int32)]
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    args = [P(a, cutlass.Float16), P(w.gate_trellis, cutlass.Int16), P(routes, cutlass.Int32),
+            *groups, P(out, cutlass.Float32), cutlass.Int32(h), cutlass.Int32(h),
+            cutlass.Int32(h // block_m), P(table, cutlass.Uint8), cutlass.Int32(sm_count),
+            P(maps["fc1_bits"], cutlass.Uint8), P(maps["fc1_words"], cutlass.Int32),
+            cutlass.Int32(row_words), cuda.CUstream(torch.cuda.current_stream().cuda_stream)]
+    fn = cute.compile(gemm, *args)
+    fn(*args)
+    torch.cuda.synchronize()
+    ref = cpu.w_hat("gate", 0)
+    bad = (out.cpu() != ref).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} weights differ, first (row, col) {bad[:4].tolist()}"
+
+
 def _check_layer(wts, *, mma=None, ms=(1, 7, 16, 160), blocks=(8, 16, 32, 48, 64), graphs=True,
-                 act="situ"):
+                 act="situ", table_decode=None):
     """fp64 reference at several m (NaN-poisoned outputs), bitwise equality across M on
     random and skewed routings, and graph replay of the decode plan equal to eager."""
     from kquant_cute.reference import reference_moe
 
     e, h = wts.num_experts, wts.hidden
     knobs = {} if mma is None else {"mma": mma}
+    if table_decode is not None:
+        knobs["table_decode"] = table_decode
     layer = _layer(wts, topk=TOPK, capacity=max(ms), activation=act, **knobs)
     for m in ms:
         x, ids, w = _inputs(m, h, TOPK, e, torch.bfloat16, seed=300 + m)
@@ -150,6 +217,22 @@ def test_mixed_layer(mma):
     """Random K3 / K4 records (FC2 switching every 64 channels) on both GEMM paths."""
     _needs_sm90(mma)
     _check_layer(_mixed((3, 4), seed=61), mma=mma)
+
+
+def test_mixed_layer_t12():
+    """The whole layer on the T12 path as sm_120 runs it (mma.sync; forced here): fp64
+    reference, bitwise equality across M (8 and 48, sm_120's plan pair), and equal, bit
+    for bit, to the same layer on the direct tables (both decodes give every weight the
+    same value)."""
+    wts = _mixed((3, 4), seed=65)
+    _check_layer(wts, mma="sync", ms=(5, 64), blocks=(8, 48), graphs=False, table_decode="t12")
+    x, ids, w = _inputs(40, H, TOPK, E, torch.bfloat16, seed=66)
+    t12 = _layer(wts, topk=TOPK, capacity=40, activation="situ", mma="sync", table_decode="t12")
+    direct = _layer(wts, topk=TOPK, capacity=40, activation="situ", mma="sync",
+                    table_decode="direct")
+    assert t12.plan.decode.spec.table_decode == "t12"
+    assert direct.plan.decode.spec.table_decode == "direct"
+    assert torch.equal(_run(t12, x, ids, w).clone(), _run(direct, x, ids, w))
 
 
 def test_k4_expert_next_to_k2_expert():
