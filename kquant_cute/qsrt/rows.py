@@ -72,13 +72,16 @@ def rank_weights(
     k16 = tc.TILE * bits
 
     def fc1_slot(s: int) -> torch.Tensor:
-        # [A, E, plane, H/16, 16K] -> [E, H/16, 2A(+pad), 16K]: N-tile 2a + plane.
-        out = torch.zeros(e, h16, 2 * pa, k16, dtype=torch.int16)
+        # [A, E, plane, H/16, 16K] -> [E, H/16, 2A(+pad), 16K]: N-tile 2a + plane; padded
+        # tiles are zero (every word is written once: no zero fill of the whole tensor).
+        out = torch.empty(e, h16, 2 * pa, k16, dtype=torch.int16)
         out[:, :, : 2 * a].view(e, h16, a, 2, k16).copy_(words[:, :, s].permute(1, 3, 0, 2, 4))
+        out[:, :, 2 * a:].zero_()
         return out
 
-    down = torch.zeros(e, 2 * pa, h16, k16, dtype=torch.int16)
+    down = torch.empty(e, 2 * pa, h16, k16, dtype=torch.int16)
     down[:, : 2 * a].view(e, a, 2, h16, k16).copy_(words[:, :, 2].permute(1, 0, 2, 3, 4))
+    down[:, 2 * a:].zero_()
 
     def span(m: int) -> torch.Tensor:
         # Padded channels keep zero vectors: zero svh zeroes the padded pre-activations,
