@@ -19,9 +19,16 @@ Measured (CUDA events, median over repeats after warm-up; eager PyTorch unless s
 * the fused model's logits vs the bf16 model's over the prefill prompt (relative error);
 * `quantize_experts`-style Viterbi on `--quant-experts` experts: experts/s.
 
-    python3 benchmarks/bench_hf.py [--layers 2] [--json FILE] [--graph-only]
+    python3 benchmarks/bench_hf.py [--layers 2] [--json FILE] [--graph-only] [--compile]
 
 (`--graph-only`: only the CUDA-graph decode rows and the logits comparison; no quantizer.)
+(`--compile`: the fused model only, decode steps at batch 1 and 16 two ways on a
+StaticCache of `--context` + `--decode-steps` tokens: `kqt.GraphDecoder` (one captured
+graph per step) against the forward compiled by `torch.compile(fullgraph=True,
+mode="reduce-overhead")` (transformers' compiled static path: inductor and cudagraph
+trees), ms per step, compile + capture time, and whether both give the same greedy
+tokens from the same context. `--compile-backend aot_eager --compile-mode none
+--device cpu` smoke-runs it on the CPU.)
 """
 
 from __future__ import annotations
@@ -148,6 +155,92 @@ def time_graph_decode(model, args):
     return out
 
 
+def time_compiled_decode(model, args):
+    """GraphDecoder steps against steps of the compiled forward, both from the same
+    context and greedy tokens (the first GraphDecoder step captures; the compiled
+    forward's first two steps compile, warm up and record, timed together)."""
+    from kquant_cute.integrations import transformers as kqt
+
+    mode = None if args.compile_mode == "none" else args.compile_mode
+    gen = torch.Generator(device=DEVICE).manual_seed(13)
+    out = {}
+    for batch in args.decode_batch:
+        ctx = torch.randint(0, args.vocab, (batch, args.context), generator=gen, device=DEVICE)
+        length = args.context + args.decode_steps + 1
+        row = {"batch": batch}
+        with torch.no_grad():
+            dec = kqt.GraphDecoder(model, batch, length, graph=DEVICE == "cuda")
+            tok = dec.prefill(ctx).argmax(-1)
+            graph_tokens, graph_ms = [], []
+            tok = dec.step(tok).argmax(-1)  # captures
+            graph_tokens.append(tok)
+            for _ in range(args.decode_steps - 1):
+                def step():
+                    nonlocal tok
+                    tok = dec.step(tok).argmax(-1)
+                graph_ms.append(_ms(step, 1, warmup=0))
+                graph_tokens.append(tok)
+            del dec
+            torch._dynamo.reset()
+            compiled = torch.compile(model, fullgraph=True, backend=args.compile_backend,
+                                     mode=mode)
+            dec = kqt.GraphDecoder(model, batch, length, graph=False, step_model=compiled)
+            tok = dec.prefill(ctx).argmax(-1)
+            _sync()
+            t0 = time.perf_counter()
+            comp_tokens = []
+            for _ in range(2):  # compile; warm up and record (cudagraph trees)
+                tok = dec.step(tok).argmax(-1)
+                comp_tokens.append(tok)
+            _sync()
+            row["compile_s"] = time.perf_counter() - t0
+            comp_ms = []
+            for _ in range(args.decode_steps - 2):
+                def step():
+                    nonlocal tok
+                    tok = dec.step(tok).argmax(-1)
+                comp_ms.append(_ms(step, 1, warmup=0))
+                comp_tokens.append(tok)
+            del dec, compiled
+        same = (torch.stack(graph_tokens) == torch.stack(comp_tokens)).all(-1).int()
+        row.update(graph_ms=statistics.median(graph_ms), compiled_ms=statistics.median(comp_ms),
+                   steps=args.decode_steps, tokens_equal_prefix=int(same.cumprod(0).sum()))
+        out[f"b{batch}"] = row
+        print(f"decode b{batch}: GraphDecoder {row['graph_ms']:.3f} ms/step, compiled "
+              f"({args.compile_backend}, {args.compile_mode}) {row['compiled_ms']:.3f} ms/step, "
+              f"compile+record {row['compile_s']:.1f} s, greedy tokens equal for "
+              f"{row['tokens_equal_prefix']} of {args.decode_steps} steps", flush=True)
+    return out
+
+
+def compile_main(model, experts, args, info):
+    from torch._dynamo.utils import counters
+
+    from kquant_cute.integrations import transformers as kqt
+
+    t0 = time.perf_counter()
+    kqt.replace_experts(model, experts, backend="fused" if DEVICE == "cuda" else "reference",
+                        capacity=args.prefill, check_ids=False)
+    _sync()
+    build_s = time.perf_counter() - t0
+    res = time_compiled_decode(model, args)
+    skips = counters["inductor"]["cudagraph_skips"]
+    print(f"\nfused layers built in {build_s:.1f} s; cudagraph skips {skips}\n")
+    print(f"| decode | GraphDecoder (ms/step) | torch.compile {args.compile_mode} (ms/step) | "
+          "ratio | compile + record | greedy tokens equal |")
+    print("|---|---|---|---|---|---|")
+    for row in res.values():
+        print(f"| batch {row['batch']} | {row['graph_ms']:.3f} ({row['batch'] / row['graph_ms'] * 1e3:,.0f} "
+              f"tok/s) | {row['compiled_ms']:.3f} ({row['batch'] / row['compiled_ms'] * 1e3:,.0f} tok/s) | "
+              f"{row['graph_ms'] / row['compiled_ms']:.2f}x | {row['compile_s']:.1f} s | "
+              f"{row['tokens_equal_prefix']} of {row['steps']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**info, "compile": res, "cudagraph_skips": skips,
+                       "fused_build_s": build_s}, f, indent=1)
+    return 0
+
+
 def time_model(model, args, kv):
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     out = {}
@@ -240,6 +333,10 @@ def main(argv=None):
     p.add_argument("--graph-only", action="store_true",
                    help="only the CUDA-graph decode rows (and the logits comparison)")
     p.add_argument("--device", default="cuda", help="cpu: smoke-run the script (reference backend)")
+    p.add_argument("--compile", action="store_true",
+                   help="fused model only: GraphDecoder steps vs a torch.compile'd forward")
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--compile-mode", default="reduce-overhead", help="'none': torch's default")
     args = p.parse_args(argv)
     if args.graph_only:
         args.quant_experts = 0
@@ -256,6 +353,14 @@ def main(argv=None):
     experts = {b.experts_name: random_experts(args.experts, args.hidden, args.intermediate,
                                               args.bits, args.codebook, seed=i)
                for i, b in enumerate(blocks)}
+    if args.compile:  # the fused side only: no dense dequantization
+        info = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "args": vars(args)}
+        print(f"# {info['gpu']}, torch {info['torch']}, transformers {info['transformers']}, "
+              f"{args.layers} MoE layers E={args.experts} H={args.hidden} I={args.intermediate} "
+              f"top-{args.topk} K={args.bits} {args.codebook}", flush=True)
+        return compile_main(model, experts, args, info)
     kqt.dequantize_into(model, experts)
     _sync()
     setup = time.perf_counter() - t0

@@ -104,9 +104,8 @@ def test_compiled_static_cache_steps_and_generate_equal_eager(kind):
         tok_e.append(eager.step(tok_e[-1]).argmax(-1))
     backend = _Graphs()
     compiled = torch.compile(model, fullgraph=True, backend=backend)
-    dec = kqt.GraphDecoder(model, 2, 16, graph=False)
+    dec = kqt.GraphDecoder(model, 2, 16, graph=False, step_model=compiled)
     tok_c = [dec.prefill(prompt).argmax(-1)]  # the prefill runs eagerly, as generate's does
-    dec.model = compiled
     logits = []
     for _ in range(4):
         logits.append(dec.step(tok_c[-1]))

@@ -724,10 +724,15 @@ class GraphDecoder:
     eagerly on the same cache (the comparison path, and the CPU path). The returned
     logits of a replayed step are the graph's static output: read or copy them before
     the next step.
+
+    ``step_model`` (with ``graph=False``): the module the steps call instead of ``model``,
+    e.g. ``torch.compile(model, fullgraph=True, mode="reduce-overhead")`` -- transformers'
+    compiled static path, whose CUDA graphs torch's cudagraph trees capture and replay
+    (each step first marks a new cudagraph-tree step). The prefill stays eager.
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_cache_len: int, *,
-                 graph: bool = True, warmup: int = 2):
+                 graph: bool = True, warmup: int = 2, step_model: Optional[nn.Module] = None):
         import transformers
 
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -738,7 +743,10 @@ class GraphDecoder:
         if graph and self.device.type != "cuda":
             raise ValueError(f"graph=True needs the model on a CUDA device, got {self.device}; "
                              "pass graph=False for eager steps on the static cache")
+        if step_model is not None and graph:
+            raise ValueError("step_model runs the steps itself: pass graph=False with it")
         self.model, self.batch_size, self.max_cache_len = model, batch_size, max_cache_len
+        self.step_model = step_model
         self.use_graph, self.warmup = bool(graph), int(warmup)
         self.cache = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
         sliding = [i for i, layer in enumerate(self.cache.layers)
@@ -777,7 +785,11 @@ class GraphDecoder:
         if self.length >= self.max_cache_len:
             raise RuntimeError(f"the {self.max_cache_len}-token cache is full")
         ids = next_ids.reshape(self.batch_size, 1)
-        if not self.use_graph:
+        if self.step_model is not None:
+            torch.compiler.cudagraph_mark_step_begin()
+            out = self.step_model(ids.to(self.device), use_cache=True, **{self._kw: self.cache})
+            logits = out.logits[:, -1]
+        elif not self.use_graph:
             logits = self._forward(ids.to(self.device))
         else:
             if self.graph is None:
