@@ -156,7 +156,7 @@ class MoELayer:
         self.scratch = scratch_layout(base, capacity=capacity,
                                       max_slots=self.plan.route.route_slots)
         self.stream_arenas = bool(stream_arenas)
-        first = _Arena(self.scratch, capacity, weights.hidden, out_dtype, self.device)
+        first = _Arena(self.scratch, capacity, weights.hidden, out_dtype, self.device, topk)
         self._arenas = {torch.cuda.current_stream(self.device).cuda_stream: first}
         self._default_arena = first
         self.arena, self.output, self._views = first.buffer, first.output, first.views
@@ -200,12 +200,15 @@ class MoELayer:
 
     def check_scratch(self, scratch: torch.Tensor) -> None:
         """Shape-level check of the op's scratch argument (also on fake tensors)."""
-        if scratch.dtype != torch.uint8 or tuple(scratch.shape) != (self.scratch.nbytes,):
-            raise ValueError(f"scratch must be one of this layer's arenas (uint8 "
-                             f"[{self.scratch.nbytes}]), got {scratch.dtype} "
-                             f"{tuple(scratch.shape)}")
+        n = _arena_bytes(self.scratch, self.capacity, self.topk)
+        if scratch.dtype != torch.uint8 or tuple(scratch.shape) != (n,):
+            raise ValueError(f"scratch must be one of this layer's arenas (uint8 [{n}]), got "
+                             f"{scratch.dtype} {tuple(scratch.shape)}")
 
     def _arena_of(self, scratch: torch.Tensor) -> "_Arena":
+        """The arena whose buffer `scratch` is; else views over it (a functionalized graph
+        passes a copy of the arena, torch.library.opcheck a clone: the same contents,
+        among them the GEMMs' zero rows)."""
         ptr = scratch.data_ptr()
         for stream, arena in self._arenas.items():
             if arena.buffer.data_ptr() == ptr:
@@ -214,15 +217,20 @@ class MoELayer:
                         f"scratch is the arena of stream {stream:#x} (stream_arenas=True); "
                         "pass the current stream's arena")
                 return arena
-        raise ValueError(f"scratch (data_ptr {ptr:#x}) is not an arena of this layer")
+        return _Arena.over(scratch, self.scratch, self.capacity, self.topk)
 
     def op_forward(self, x, topk_ids, topk_weights, out, scratch, expert_map, *,
                    check_ids: bool, wait_for_previous: bool) -> None:
         """`torch.ops.kquant.moe_forward`'s implementation for this layer: bind on the
-        arena `scratch` and launch (`check_ids`: the host id check unless capturing)."""
+        arena `scratch` (misaligned ids / weights staged in it) and launch (`check_ids`:
+        the host id check unless capturing)."""
+        arena = self._arena_of(scratch)
+        if topk_ids.device == topk_weights.device == self.device \
+                and topk_ids.is_contiguous() and topk_weights.is_contiguous():
+            topk_ids, topk_weights = arena.stage(topk_ids, topk_weights)
         self.bind(x, topk_ids, topk_weights, out=out, expert_map=expert_map,
                   check_ids=None if check_ids else False,
-                  _arena=self._arena_of(scratch)).run(wait_for_previous=wait_for_previous)
+                  _arena=arena).run(wait_for_previous=wait_for_previous)
 
     def _arena_for_current_stream(self) -> "_Arena":
         if not self.stream_arenas:
@@ -236,12 +244,13 @@ class MoELayer:
                     "arena, which cannot happen during CUDA-graph capture; bind once on this "
                     "stream before capturing")
             arena = _Arena(self.scratch, self.capacity, self.weights.hidden, self.out_dtype,
-                           self.device)
+                           self.device, self.topk)
             self._arenas[handle] = arena
         return arena
 
     def describe(self) -> str:
-        return self.plan.describe(scratch_bytes={"arena": self.scratch.nbytes,
+        return self.plan.describe(scratch_bytes={"arena": _arena_bytes(self.scratch, self.capacity,
+                                                                        self.topk),
                                                  "output": self.output.numel() * self.output.element_size()})
 
     # -- binding -----------------------------------------------------------------------
@@ -347,22 +356,61 @@ def _check_uniform_storage(weights: MixedMoEWeights) -> None:
                              f"not {want} (padded rows; the uniform kernel needs the EXL3 layout)")
 
 
+def _arena_bytes(scratch: ScratchLayout, capacity: int, topk: int) -> int:
+    """Bytes of an arena buffer: the kernels' scratch plus the two staging slots."""
+    return scratch.nbytes + 2 * (-(-capacity * topk * 4 // 16) * 16)
+
+
 class _Arena:
     """One scratch arena and output buffer, with the stream-ordering state of the stream
-    rule (module docstring): the stream of the last forward and an event recorded after it."""
+    rule (module docstring): the stream of the last forward and an event recorded after it.
 
-    def __init__(self, scratch: ScratchLayout, capacity: int, hidden: int, out_dtype, device):
-        self.buffer = torch.zeros(scratch.nbytes, dtype=torch.uint8, device=device)
-        self.output = torch.empty((capacity, hidden), dtype=out_dtype, device=device)
+    The buffer is the kernels' scratch (`ScratchLayout`) followed by two staging slots of
+    [capacity, topk] (int32 ids, fp32 router weights): the op copies a misaligned ids or
+    weights tensor there (a compiler may hand it a view at any 4-byte offset), so the
+    kernels' 16-byte alignment never reaches the caller. The op's `scratch` argument is
+    the whole buffer, or a copy of it (`over`: views only, no stream state)."""
+
+    def __init__(self, scratch: ScratchLayout, capacity: int, hidden: int, out_dtype, device,
+                 topk: int, buffer: Optional[torch.Tensor] = None):
+        if buffer is None:
+            buffer = torch.zeros(_arena_bytes(scratch, capacity, topk), dtype=torch.uint8,
+                                 device=device)
+            self.output = torch.empty((capacity, hidden), dtype=out_dtype, device=device)
+            self.tracked = True
+        else:
+            self.output, self.tracked = None, False
+        self.buffer = buffer
         self.views = {}
         for buf in scratch.buffers:
             raw = self.buffer[buf.offset: buf.offset + buf.nbytes]
             self.views[buf.name] = raw.view(_TORCH_DTYPES[buf.dtype]).view(buf.shape)
+        n = capacity * topk * 4
+        stage = scratch.nbytes
+        self.stage_ids = buffer[stage: stage + n].view(torch.int32).view(capacity, topk)
+        stage = -(-(stage + n) // 16) * 16
+        self.stage_weights = buffer[stage: stage + n].view(torch.float32).view(capacity, topk)
         self.last_stream: Optional[int] = None
         self.done: Optional[torch.cuda.Event] = None
 
+    @classmethod
+    def over(cls, buffer: torch.Tensor, scratch: ScratchLayout, capacity: int, topk: int):
+        """Views over a copy of an arena (what a functionalized graph passes the op)."""
+        if not buffer.is_contiguous() or buffer.data_ptr() % 16:
+            raise ValueError("scratch must be a contiguous, 16-byte aligned copy of the arena")
+        return cls(scratch, capacity, 0, None, buffer.device, topk, buffer=buffer)
+
+    def stage(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """`topk_ids` / `topk_weights`, each copied into its staging slot if misaligned."""
+        m = topk_ids.shape[0]
+        if topk_ids.data_ptr() % 16:
+            topk_ids = self.stage_ids[:m].copy_(topk_ids)
+        if topk_weights.data_ptr() % 16:
+            topk_weights = self.stage_weights[:m].copy_(topk_weights)
+        return topk_ids, topk_weights
+
     def before_launch(self, stream: torch.cuda.Stream, wait_for_previous: bool) -> None:
-        if self.last_stream is None or self.last_stream == stream.cuda_stream:
+        if not self.tracked or self.last_stream is None or self.last_stream == stream.cuda_stream:
             return  # same stream: launches are ordered
         if wait_for_previous:
             stream.wait_event(self.done)
@@ -374,6 +422,8 @@ class _Arena:
                 "build the layer with stream_arenas=True for one arena per stream")
 
     def after_launch(self, stream: torch.cuda.Stream) -> None:
+        if not self.tracked:
+            return
         if self.done is None:
             self.done = torch.cuda.Event()
         self.done.record(stream)

@@ -12,8 +12,9 @@ whose experts hold random K=4 mcg codes, replaced by the fused layer:
   equals eager bit for bit;
 * `mode="reduce-overhead"`: transformers' `generate` with a static cache and its
   compiled forward (`CompileConfig(fullgraph=True)`: inductor, CUDA graphs through
-  cudagraph trees, none skipped) gives eager's greedy tokens; so does the cudagraphs
-  backend (eager's kernels in CUDA graphs), and its logits equal eager's bit for bit.
+  cudagraph trees, none skipped) gives eager's greedy tokens up to near-ties; static
+  decode steps through the cudagraphs backend (eager's kernels in CUDA graphs) give
+  eager's logits bit for bit.
 """
 
 from __future__ import annotations
@@ -99,29 +100,40 @@ def test_compiled_fused_model_equals_eager(kind):
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
 @torch.no_grad()
 def test_compiled_static_generate_gives_eager_tokens(kind):
+    """transformers' compiled static path (inductor, `mode="reduce-overhead"`): CUDA graphs
+    recorded, none skipped, and every token eager's greedy choice on the same prefix up to
+    a near-tie (inductor's own kernels for the attention, norms and router move logits in
+    the last bits, as any compiler does; test_hf_gpu.py's rule). The cudagraphs backend
+    (eager's kernels replayed from CUDA graphs) gives eager's logits bit for bit."""
     from torch._dynamo.utils import counters
+    from torch._inductor.cudagraph_trees import get_manager
+
+    from test_hf_gpu import NEAR_TIE, _decode_logits
 
     torch._dynamo.reset()
     counters.clear()
     model = _fused(kind)
-    prompt = _prompt(24, batch=2)
+    prompt = _prompt(24)
+    n = prompt.shape[1]
     kw = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
               cache_implementation="static")
     want = model.generate(prompt, disable_compile=True, **kw)
     got = model.generate(prompt, compile_config=transformers.CompileConfig(fullgraph=True), **kw)
-    from torch._inductor.cudagraph_trees import get_manager
-
     skips = counters["inductor"]["cudagraph_skips"]
     manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     recorded = manager is not None and any(manager.roots.values())
-    n = prompt.shape[1]
-    same = int((got[:, n:] == want[:, n:]).all(0).int().cumprod(0).sum())
+    same = int((got[0, n:] == want[0, n:]).int().cumprod(0).sum())
+    eager_logits = _decode_logits(model, prompt, got[:, n:-1])  # teacher-forced, eager
+    tokens = got[0, n:]
+    regret = eager_logits.max(-1).values - eager_logits.gather(-1, tokens[:, None]).squeeze(-1)
+    regret = regret / eager_logits.square().mean(-1).sqrt()
     print(f"\n{kind}: compiled static generate (inductor, reduce-overhead): {same} of {STEPS} "
-          f"tokens equal eager; cudagraph skips {skips}, graphs recorded {recorded}")
+          f"tokens equal eager's free run, worst regret {float(regret.max()):.3g} logit RMS; "
+          f"cudagraph skips {skips}, graphs recorded {recorded}")
     assert skips == 0 and recorded
-    assert torch.equal(got, want)
-    # The cudagraphs backend: eager's kernels replayed from CUDA graphs, logits bitwise.
+    assert got.shape == want.shape and float(regret.max()) <= NEAR_TIE
     torch._dynamo.reset()
+    prompt = _prompt(24, batch=2)
     eager = kqt.GraphDecoder(model, 2, n + STEPS + 1, graph=False)
     graphed = kqt.GraphDecoder(model, 2, n + STEPS + 1, graph=False,
                                step_model=torch.compile(model, fullgraph=True,

@@ -539,14 +539,12 @@ class TrellisExperts(nn.Module):
         cap = self._capacity
         if cap is None or t <= cap:
             moe_forward(x, ids, wts, out, self._scratch, None, self._handle, self.check_ids)
-        else:  # chunks of the capacity; rows of H (a multiple of 128) keep x and out aligned
+        else:  # chunks of the capacity; rows of H (a multiple of 128) keep x and out
+            # aligned, the op stages misaligned ids / weights rows in its arena
             for s in range(0, t, cap):
                 e = min(t, s + cap)
-                cid, cwt = ids[s:e], wts[s:e]
-                if (s * self.top_k * 4) % 16:  # the kernels read 16-byte aligned rows
-                    cid, cwt = cid.clone(), cwt.clone()
-                moe_forward(x[s:e], cid, cwt, out[s:e], self._scratch, None, self._handle,
-                            self.check_ids)
+                moe_forward(x[s:e], ids[s:e], wts[s:e], out[s:e], self._scratch, None,
+                            self._handle, self.check_ids)
         return out.to(hidden_states.dtype)
 
 
