@@ -270,3 +270,15 @@ def test_an_error_mid_stream_returns_nothing_and_stops_the_reader(copy_dir):
     with pytest.raises(qsrt.QSRTFormatError, match="atom row 0 has nonzero padding"):
         qsrt.load_model(copy_dir, tp_size=8, tp_rank=0)
     assert not _readers()
+
+
+@pytest.mark.gpu
+def test_load_model_onto_the_gpu_equals_load_layer_moved(model_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (load_model(device='cuda'))")
+    got = qsrt.load_model(model_dir, tp_size=9, tp_rank=4, device="cuda")
+    for n in LAYERS:
+        assert got[n].device.type == "cuda"
+        want = qsrt.load_layer(model_dir, layer=n, tp_size=9, tp_rank=4, device="cuda")
+        assert _equal(got[n], want), n
+    assert not _readers()

@@ -15,8 +15,10 @@ A model directory holds ``qsrt-layer-NNNNN.safetensors`` files, ``qsrt-manifest.
 existence and size before it reads a row; ``verify="sha256"`` also hashes each whole file
 against the digest the records carry. A reader thread reads the next layer's rank rows
 (positional reads of the rank's byte range only, into one of two reusable buffers) while
-the main thread checks and builds the current layer and copies it to ``device``, so host
-memory holds at most two layers' rank rows besides the layer being built. A tqdm bar shows
+the main thread copies, checks and builds the current layer. On a CUDA device the buffers
+are page-locked, the raw rows go to the GPU in one copy and a uniform-K layer is checked and
+built there, so host memory holds the two buffers and nothing else per layer; on the CPU
+(and for H308 layers, built on the CPU and then moved) also the layer being built. A tqdm bar shows
 progress when stderr is a terminal. On any error nothing is returned: the layers loaded so
 far are dropped and the reader is stopped before the exception propagates.
 """
@@ -180,9 +182,10 @@ class _Reader(threading.Thread):
     """Reads each planned layer's header and rank rows into one of two reusable buffers and
     hands them over through a queue of depth one: at most two layers' rows are in flight."""
 
-    def __init__(self, plan, profile: str, tp_size: int, tp_rank: int, pad: bool) -> None:
+    def __init__(self, plan, profile: str, tp_size: int, tp_rank: int, pad: bool,
+                 pin: bool) -> None:
         super().__init__(name="qsrt-load-model-reader", daemon=True)
-        self.plan, self.profile, self.pad = plan, profile, pad
+        self.plan, self.profile, self.pad, self.pin = plan, profile, pad, pin
         self.tp = (tp_size, tp_rank)
         self.ready: queue.Queue = queue.Queue(maxsize=1)
         self.free: queue.Queue = queue.Queue()
@@ -197,7 +200,7 @@ class _Reader(threading.Thread):
             except queue.Empty:
                 continue
             if buf.numel() < nbytes:
-                buf = torch.empty(nbytes, dtype=torch.uint8)
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
             return buf
         return None
 
@@ -288,7 +291,14 @@ def load_model(
                                              f"says {name!r}")
     plan = _plan(root, completion, manifest, _select(completion, layers, root), verify)
     dev = None if device is None else torch.device(device)
-    reader = _Reader(plan, name, tp_size, tp_rank, pad)
+    if dev is not None and dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    # A CUDA device: page-locked read buffers, each layer's rows copied as they were read
+    # (one DMA, the reader already reading the next layer) and, at uniform K, checked and
+    # built on the GPU, so host memory holds only the two buffers.
+    on_gpu = dev is not None and dev.type == "cuda"
+    gpu_build = on_gpu and fmt.PROFILES[name].uniform_bits is not None
+    reader = _Reader(plan, name, tp_size, tp_rank, pad, pin=on_gpu)
     out: dict[int, MoEWeights | MixedMoEWeights] = {}
     bar = _progress(len(plan), progress)
     reader.start()
@@ -299,10 +309,16 @@ def load_model(
                 raise item
             n, h, ext, buf, nbytes = item
             try:
-                w = rank_weights(h, ext, split_rank_rows(h, ext, buf[:nbytes]))
+                flat = buf[:nbytes].to(dev) if gpu_build else buf[:nbytes]
             finally:
-                reader.free.put(buf)
-            out[n] = w if dev is None else w.to(dev)
+                if gpu_build:
+                    reader.free.put(buf)        # the copy from it has completed
+            try:
+                w = rank_weights(h, ext, split_rank_rows(h, ext, flat))
+            finally:
+                if not gpu_build:
+                    reader.free.put(buf)
+            out[n] = w if dev is None or w.device == dev else w.to(dev)
             bar.update(1)
     except BaseException:
         out.clear()

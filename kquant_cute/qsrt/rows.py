@@ -62,7 +62,8 @@ def rank_weights(
     w2_svh: torch.Tensor,
     draws: torch.Tensor,
 ) -> MoEWeights:
-    """One rank's MoEWeights from its uniform-K atom rows (validated by the caller)."""
+    """One rank's MoEWeights from its uniform-K atom rows (validated by the caller), built
+    on the rows' device (the header's CPU vectors and the signs are moved there)."""
     bits = PROFILES[profile].uniform_bits
     assert bits is not None
     parts = bundles(rows, geometry, bits)
@@ -70,23 +71,24 @@ def rank_weights(
     e, a, h16 = geometry.num_experts, ext.atom_count, geometry.hidden // tc.TILE
     pa = ext.padded_atoms
     k16 = tc.TILE * bits
+    dev = rows.device
 
     def fc1_slot(s: int) -> torch.Tensor:
         # [A, E, plane, H/16, 16K] -> [E, H/16, 2A(+pad), 16K]: N-tile 2a + plane; padded
         # tiles are zero (every word is written once: no zero fill of the whole tensor).
-        out = torch.empty(e, h16, 2 * pa, k16, dtype=torch.int16)
+        out = torch.empty(e, h16, 2 * pa, k16, dtype=torch.int16, device=dev)
         out[:, :, : 2 * a].view(e, h16, a, 2, k16).copy_(words[:, :, s].permute(1, 3, 0, 2, 4))
         out[:, :, 2 * a:].zero_()
         return out
 
-    down = torch.empty(e, 2 * pa, h16, k16, dtype=torch.int16)
+    down = torch.empty(e, 2 * pa, h16, k16, dtype=torch.int16, device=dev)
     down[:, : 2 * a].view(e, a, 2, h16, k16).copy_(words[:, :, 2].permute(1, 0, 2, 3, 4))
     down[:, 2 * a:].zero_()
 
     def span(m: int) -> torch.Tensor:
         # Padded channels keep zero vectors: zero svh zeroes the padded pre-activations,
         # so the padded SiTU outputs and their FC2 contributions are exactly zero.
-        out = torch.zeros(e, pa * ATOM_CHANNELS, dtype=torch.float16)
+        out = torch.zeros(e, pa * ATOM_CHANNELS, dtype=torch.float16, device=dev)
         out[:, : a * ATOM_CHANNELS] = spans[:, :, m].permute(1, 0, 2).reshape(e, -1)
         return out
 
@@ -95,10 +97,10 @@ def rank_weights(
                                   ext.padded_atoms)
     return MoEWeights(
         gate_trellis=fc1_slot(0), up_trellis=fc1_slot(1), down_trellis=down,
-        gate_suh=source_suh.clone(), up_suh=source_suh.clone(), down_svh=w2_svh.clone(),
-        gate_svh=span(0), up_svh=span(1), down_suh=span(2),
-        codebook=CODEBOOK, profile=profile, rotation_draws=draws.clone(),
-        pre_signs=pre, post_signs=post,
+        gate_suh=source_suh.to(dev, copy=True), up_suh=source_suh.to(dev, copy=True),
+        down_svh=w2_svh.to(dev, copy=True), gate_svh=span(0), up_svh=span(1),
+        down_suh=span(2), codebook=CODEBOOK, profile=profile,
+        rotation_draws=draws.to(dev, copy=True), pre_signs=pre.to(dev), post_signs=post.to(dev),
     )
 
 
