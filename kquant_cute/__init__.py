@@ -6,7 +6,10 @@ kquant_cute.kernels (CuTe DSL kernels), kquant_cute.planners (policy, geometry, 
 kquant_cute.compile_cache (disk cache).
 
 Serving (a CUDA GPU): ``MoEWeights`` -> ``MoELayer(weights, topk=..., capacity=...)``,
-``layer(x, topk_ids, topk_weights)`` or ``layer.bind(...).run()`` (CUDA graphs).
+``layer(x, topk_ids, topk_weights)`` or ``layer.bind(...).run()`` (CUDA graphs). For
+engines and torch.compile: ``import kquant_cute.ops`` registers the forward as
+``torch.ops.kquant.moe_forward`` (a bound layer's ``handle`` and arena; the reference
+math on the CPU).
 Planning and prewarming (no GPU needed): ``layer_spec(weights, topk=...)`` or
 ``DEFAULT_GEOMETRY``, then ``plan_forward(spec, capacity=..., arch="sm_90").describe()``
 and ``prewarm_plans(spec, archs=["sm_90", "sm_120"])`` (``kquant_cute.prewarm`` is the
