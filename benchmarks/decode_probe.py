@@ -37,7 +37,7 @@ class TrellisDecode:
     def __init__(self, *, k_dim: int, n_dim: int, bits: int, codebook: str,
                  stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1, mma_rows: int = 0,
                  decode: bool = True, ctas_per_sm: int = 1, pair_table: bool = False,
-                 workers: int = 1):
+                 workers: int = 1, table_decode: str = "direct"):
         reason = self.can_implement(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                                     stages=stages)
         if reason is not None:
@@ -47,12 +47,13 @@ class TrellisDecode:
         self.gemm = TrellisGemm(block_m=8, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                 codebook=codebook, topk=1, a_rows_per_token=False,
                                 stages=stages, min_ctas_per_sm=min_ctas_per_sm,
-                                ctas_per_sm=ctas_per_sm, pair_table=pair_table)
+                                ctas_per_sm=ctas_per_sm, pair_table=pair_table,
+                                table_decode=table_decode)
         # Workers: independent 128-thread work-item loops per CTA sharing the table (as the
         # wgmma GEMM runs them beside the 128 KiB pair table), each with its own B ring.
         self.workers = workers
         self.threads = THREADS * workers
-        self.smem_bytes = self.smem(bits, stages, codebook, pair_table, workers)
+        self.smem_bytes = self.smem(bits, stages, codebook, pair_table, workers, table_decode)
         # Benchmark knob: also run the GEMM's mma.sync count for `mma_rows` rows on every
         # decoded tile, with register-only A fragments (no shared memory, no barrier): the
         # decode + MMA ceiling. 0 = decode only (the checksum's host model holds).
@@ -65,9 +66,11 @@ class TrellisDecode:
 
     @staticmethod
     def smem(bits: int, stages: int, codebook: str | None = None, pair_table: bool = False,
-             workers: int = 1) -> int:
-        """Dynamic shared memory: the codebook's state table, then each worker's B ring."""
-        return table_bytes(codebook, (), pair_table) + workers * stages * b_stage_bytes(bits)
+             workers: int = 1, table_decode: str = "direct") -> int:
+        """Dynamic shared memory: the codebook's state table (or T12), then each worker's B
+        ring."""
+        return (table_bytes(codebook, (), pair_table, table_decode)
+                + workers * stages * b_stage_bytes(bits))
 
     @staticmethod
     def can_implement(*, k_dim: int, n_dim: int, bits: int, codebook: str,
@@ -103,7 +106,8 @@ class TrellisDecode:
         bidx, _, _ = cute.arch.block_idx()
         if cutlass.const_expr(self.gemm.table):
             gdim, _, _ = cute.arch.grid_dim()
-            stage_table(pTable, tab, tidx, self.threads, self.gemm.table_bytes)
+            stage_table(pTable, tab, tidx, self.threads, self.gemm.table_bytes,
+                        self.gemm.table_offset)
             first, stride = bidx, gdim
             if cutlass.const_expr(self.workers > 1):  # worker wk: its ring, every workers-th item
                 cute.arch.cp_async_wait_group(0)
@@ -211,14 +215,17 @@ def reference_checksum(trellis, experts, codebook: str):
 
 def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: str = "sm_90a",
                    stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1, mma_rows: int = 0,
-                   decode: bool = True, cubin_dir: str | None = None, pair_table: bool = False):
+                   decode: bool = True, cubin_dir: str | None = None, pair_table: bool = False,
+                   table_decode: str = "direct"):
     """Cross-compile the decode-only kernel (`TrellisDecode`) for one projection
     shape; returns (the JIT-compiled callable, its measured resources). The callable takes
     (trellis, experts, out, table) pointers, the expert count, the device's SM count and a
     stream; it runs only where `arch` matches the GPU. `cubin_dir` keeps the cubin there
     (for SASS reading). Table codebooks run SMs x (CTAs that fit by shared memory, at most
     `min_ctas_per_sm`) persistent CTAs, each staging the table once; `pair_table`: the K=2
-    pair table (128 KiB) with two 128-thread workers per CTA, as the wgmma GEMM runs it."""
+    pair table (128 KiB) with two 128-thread workers per CTA, as the wgmma GEMM runs it;
+    `table_decode` "t12": T12 + bijection (the table argument is then
+    `kquant_cute.trellis.sqg_kernel_tables((bits,))`)."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -230,12 +237,19 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
     ctas, workers = 1, 2 if pair_table else 1
     if table_bytes(codebook):
         per_sm = cutlass.memory.get_smem_capacity_in_bytes(arch.removesuffix("a")) + SMEM_RESERVED_PER_CTA
-        need = TrellisDecode.smem(bits, stages, codebook, pair_table, workers) + SMEM_RESERVED_PER_CTA
+        need = (TrellisDecode.smem(bits, stages, codebook, pair_table, workers, table_decode)
+                + SMEM_RESERVED_PER_CTA)
         ctas = min_ctas_per_sm = max(1, min(min_ctas_per_sm, per_sm // need))
+        if table_decode == "t12":  # as MoESpec.gemm_resident_ctas: no register cap below 255
+            from kquant_cute.kernels.arch import arch_limits
+
+            lim = arch_limits(arch)
+            ctas = min_ctas_per_sm = max(1, min(ctas, lim.regs_per_sm
+                                                // (THREADS * workers * lim.regs_per_thread_max)))
     probe = TrellisDecode(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                           stages=stages, min_ctas_per_sm=min_ctas_per_sm, mma_rows=mma_rows,
                           decode=decode, ctas_per_sm=ctas, pair_table=pair_table,
-                          workers=workers)
+                          workers=workers, table_decode=table_decode)
     args = [make_ptr(dt, 256, cute.AddressSpace.gmem, assumed_align=16)
             for dt in (cutlass.Int16, cutlass.Int32, cutlass.Uint32, cutlass.Uint8)]
     compiled, resources, _ = compile_measured(

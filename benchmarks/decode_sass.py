@@ -1,7 +1,7 @@
 """Decode cost per weight from the SASS of the decode-only kernel (CPU only, no GPU).
 
     python benchmarks/decode_sass.py [--arch sm_90a] [--codebooks mcg 3inst mul1] [--bits 2 3 4 5 6]
-                                     [--pair-table]
+                                     [--pair-table] [--t12]
 
 Cross-compiles the decode-only probe (`decode_probe.py`) per (codebook, K), disassembles the cubin
 (cuobjdump + nvdisasm from the nvidia-cuda-* wheels or CUDA_HOME) and counts the
@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 5, 6])
     p.add_argument("--pair-table", action="store_true",
                    help="sqg_e4m3 K=2 through the 128 KiB pair table (the sm_90a GEMM's decode)")
+    p.add_argument("--t12", action="store_true",
+                   help="sqg_e4m3 through T12 + bijection (MoESpec.table_decode 't12')")
     a = p.parse_args(argv)
     if find_cuobjdump() is None or find_nvdisasm() is None:
         print("cuobjdump or nvdisasm not found (pip install -e \".[test]\")")
@@ -63,10 +65,12 @@ def main(argv=None) -> int:
     for cb in a.codebooks:
         for bits in a.bits:
             pair = a.pair_table and cb == "sqg_e4m3" and bits == 2
-            table = ("pair" if pair else "direct") if cb == "sqg_e4m3" else "-"
+            t12 = a.t12 and cb == "sqg_e4m3" and not pair
+            table = ("pair" if pair else "t12" if t12 else "direct") if cb == "sqg_e4m3" else "-"
             with tempfile.TemporaryDirectory(prefix="kq_sass_") as tmp:
                 compile_decode(k_dim=3584, n_dim=384, bits=bits, codebook=cb, arch=a.arch,
-                               min_ctas_per_sm=8, cubin_dir=tmp, pair_table=pair)
+                               min_ctas_per_sm=8, cubin_dir=tmp, pair_table=pair,
+                               table_decode="t12" if t12 else "direct")
                 (cubin,) = glob.glob(os.path.join(tmp, "*.cubin"))
                 sass = dump_sass(cubin)
             ops = loop_opcodes(sass)
