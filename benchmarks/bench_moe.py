@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from kquant_cute.kernels.gemms import MMA_KINDS
+
 from peers import capture, graph_median_ms, random_tokens
 
 
@@ -151,7 +153,7 @@ def main(argv=None):
                         "M = 8 and 32 (the K = 2, 3 rows of docs/benchmarks.md: --extra-bits 2 3)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: the kernel's)")
-    p.add_argument("--mma", default=None, choices=["auto", "sync", "wgmma"],
+    p.add_argument("--mma", default=None, choices=MMA_KINDS,
                    help="GEMM instruction (default auto: wgmma on sm_90, else mma.sync)")
     p.add_argument("--span", type=int, default=None,
                    help="wgmma: route blocks of one expert per work item (1, 2, 4; default: "

@@ -232,7 +232,7 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
     from cutlass.cute.runtime import make_ptr
 
     from kquant_cute.kernels.build import compile_measured
-    from kquant_cute.kernels.trellis_gemm import SMEM_RESERVED_PER_CTA
+    from kquant_cute.kernels.bring import SMEM_RESERVED_PER_CTA
 
     ctas, workers = 1, 2 if pair_table else 1
     if table_bytes(codebook):

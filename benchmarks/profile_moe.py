@@ -20,6 +20,8 @@ import sys
 
 import torch
 
+from kquant_cute.kernels.gemms import MMA_KINDS
+
 
 def main(argv=None):
     from peers import random_tokens
@@ -33,7 +35,7 @@ def main(argv=None):
     p.add_argument("--block-m", type=int, default=None)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--stages", type=int, default=None, help="pipeline stages")
-    p.add_argument("--mma", default=None, choices=["auto", "sync", "wgmma"],
+    p.add_argument("--mma", default=None, choices=MMA_KINDS,
                    help="GEMM instruction (default auto: wgmma on sm_90, else mma.sync)")
     p.add_argument("--span", type=int, default=None,
                    help="wgmma: route blocks of one expert per work item (1, 2, 4)")

@@ -1,6 +1,6 @@
 """The per-SM architecture table: the one owner of each supported GPU's limits (no torch, no cutlass).
 
-Owns :data:`ARCH_TABLE` -- one :class:`ArchLimits` per supported SM (BRIEF section 5):
+Owns :data:`ARCH_TABLE` -- one :class:`ArchLimits` per supported SM (sources: docs/formats.md, "Per-SM limits"):
 opt-in shared memory per block, register file, per-thread register cap, thread cap and
 the MMA instruction families -- and its lookups :func:`arch_limits` /
 :func:`normalize_arch` by any common spelling (``"sm_90"``, ``"sm_90a"``, ``"90"``,
@@ -40,7 +40,9 @@ class ArchLimits:
         max_threads_per_block: 1024 on every supported SM.
         reg_alloc_unit: registers are allocated per warp in units of this many (256): a kernel
             with ``r`` registers per thread takes ``ceil(32 * r / 256) * 256`` per warp.
-        mma_kinds: tensor-core instruction families available, e.g. ``("mma.sync", "wgmma")``.
+        mma_kinds: tensor-core instruction families available, e.g. ``("sync", "wgmma")``,
+            spelled as ``MoESpec.mma`` and the GEMM registry (``kernels/gemms.py``) spell
+            them: ``"sync"`` is ``mma.sync``.
         cvt_e4m3: ``cvt.rn.f16x2.e4m3x2`` exists (sm_89 and later): the sqg_e4m3 decode.
     """
 
@@ -51,7 +53,7 @@ class ArchLimits:
     regs_per_thread_max: int = 255
     max_threads_per_block: int = 1024
     reg_alloc_unit: int = 256
-    mma_kinds: tuple[str, ...] = ("mma.sync",)
+    mma_kinds: tuple[str, ...] = ("sync",)
     cvt_e4m3: bool = True
 
     @property
@@ -74,15 +76,15 @@ class ArchLimits:
 
 _KB = 1024
 
-#: The one per-SM table (BRIEF section 5). Keys are canonical names ``"sm_NN"``.
+#: The one per-SM table (docs/formats.md, "Per-SM limits"). Keys are canonical names ``"sm_NN"``.
 ARCH_TABLE: dict[str, ArchLimits] = {
-    "sm_80": ArchLimits("sm_80", "sm_80", 163 * _KB, mma_kinds=("mma.sync",), cvt_e4m3=False),
-    "sm_86": ArchLimits("sm_86", "sm_86", 99 * _KB, mma_kinds=("mma.sync",), cvt_e4m3=False),
-    "sm_89": ArchLimits("sm_89", "sm_89", 99 * _KB, mma_kinds=("mma.sync",)),
-    "sm_90": ArchLimits("sm_90", "sm_90a", 227 * _KB, mma_kinds=("mma.sync", "wgmma")),
-    "sm_100": ArchLimits("sm_100", "sm_100a", 227 * _KB, mma_kinds=("mma.sync", "tcgen05")),
+    "sm_80": ArchLimits("sm_80", "sm_80", 163 * _KB, mma_kinds=("sync",), cvt_e4m3=False),
+    "sm_86": ArchLimits("sm_86", "sm_86", 99 * _KB, mma_kinds=("sync",), cvt_e4m3=False),
+    "sm_89": ArchLimits("sm_89", "sm_89", 99 * _KB, mma_kinds=("sync",)),
+    "sm_90": ArchLimits("sm_90", "sm_90a", 227 * _KB, mma_kinds=("sync", "wgmma")),
+    "sm_100": ArchLimits("sm_100", "sm_100a", 227 * _KB, mma_kinds=("sync", "tcgen05")),
     "sm_120": ArchLimits(
-        "sm_120", "sm_120a", 99 * _KB, mma_kinds=("mma.sync", "mma.sync.block_scale")
+        "sm_120", "sm_120a", 99 * _KB, mma_kinds=("sync", "sync.block_scale")
     ),
 }
 

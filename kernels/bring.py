@@ -1,13 +1,15 @@
-"""The B ring both GEMMs share: a work item's trellis words, staged per pipeline stage.
+"""What every trellis GEMM shares: its static questions, its geometry rules, the B ring.
 
-Owns the geometry every trellis GEMM shares (the 128-column N tile, 64-k pipeline stages,
-their validity: `check_geometry`, `check_rates`) and `BRing`, one GEMM specialization's
-ring of trellis words in shared memory: where a work item's words start
-(`b_tile_base`), the cp.async copies of one stage (`issue_b`, `copy_b`), where a tile's
-words sit in a stage buffer (`tile_words_at`) and, for mixed rates, each stage's K and
-word index from the run-time rate maps (`rate_context`, `stage_rate`, `for_rate`,
-`rate_table`). `TrellisGemm` and `TrellisWgmma` each hold one; what they decode from it is
-`kernels/decode.py`'s.
+Owns `GemmClass`, the base of every GEMM class of the registry (`kernels/gemms.py`): the
+static questions each answers with one call signature (`can_implement`, `threads_for`,
+`smem_bytes_for`, `resident_ctas`, `default_span`, `workers_for`, `pair_table_for`, all
+taking the constructor's keyword arguments); the geometry rules they share (`check_geometry`,
+`check_rates`); and `BRing`, one GEMM specialization's ring of trellis words in shared
+memory: where a work item's words start (`b_tile_base`), the cp.async copies of one stage
+(`issue_b`, `copy_b`), where a tile's words sit in a stage buffer (`tile_words_at`) and,
+for mixed rates, each stage's K and word index from the run-time rate maps
+(`rate_context`, `stage_rate`, `for_rate`, `rate_table`). `TrellisGemm` and
+`TrellisWgmma` each hold one; what they decode from it is `kernels/decode.py`'s.
 
 Layout: B trellis int16 [E, k_dim/16, n_dim/16, 16*bits], read as uint32 words. A stage
 buffer holds the N tile's 8 16-column tiles of 4 consecutive k tiles, one k tile's 8
@@ -34,6 +36,8 @@ MAX_STAGES = 8
 BLOCK_SIZES = ROUTE_BLOCK_SIZES  # defined once, in the launch contract
 #: Mixed rates: the intermediate axis is the GEMM's N (FC1) or K (FC2) axis.
 RATE_AXES = ("n", "k")
+MAX_CTAS_PER_SM = 8  # occupancy target cap (64 regs/thread at 8 x 128 threads)
+SMEM_RESERVED_PER_CTA = 1024  # the driver's per-CTA shared-memory reservation
 
 
 def b_stage_bytes(bits: int) -> int:
@@ -79,6 +83,50 @@ def check_geometry(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook:
     if not 2 <= stages <= MAX_STAGES:
         return f"stages {stages} outside 2..{MAX_STAGES}"
     return check_rates(bits, bits_set, codebook, rate_axis) or check_table_decode(codebook, table_decode)
+
+
+class GemmClass:
+    """The static questions every trellis GEMM class answers, with one call signature.
+
+    `args` below are the constructor's keyword arguments (`block_m`, `k_dim`, `n_dim`,
+    `bits`, `codebook`, `topk`, `a_rows_per_token`, `stages`, `min_ctas_per_sm`,
+    `ctas_per_sm`, `bits_set`, `rate_axis`, `span`, `workers`, `pair_table`); each method
+    reads the ones
+    it needs. A subclass sets `kind` (its key in `kernels/gemms.py`'s registry, the
+    spelling of `MoESpec.mma` and of the arch table's `mma_kinds`), `instruction` (how a
+    plan's description names it) and `kernel_tag` (its mark in `MoESpec.kernel_name`), and
+    defines `can_implement(**args, smem_limit=None)`, `threads_for(**args)` and
+    `smem_bytes_for(**args)`; the defaults below fit a GEMM of one route block per work
+    item and one work-item loop per CTA. Instances carry `threads` and `smem_bytes`, and
+    are called as `TrellisGemm.__call__` is (every GEMM takes the same arguments)."""
+
+    kind: str = ""
+    instruction: str = ""
+    kernel_tag: str = ""
+
+    @staticmethod
+    def default_span(block_m: int) -> int:
+        """Route blocks of one expert per work item when a spec does not pin `span`."""
+        return 1
+
+    @staticmethod
+    def pair_table_for(**args) -> bool:
+        """Decode a table codebook through the K=2 pair table (`decode.PAIR_TABLE_BITS`)
+        instead of the direct state tables."""
+        return False
+
+    @classmethod
+    def workers_for(cls, smem_limit: int, **args) -> int:
+        """Work-item loops per CTA for this geometry (`smem_limit`: per-block shared memory)."""
+        return 1
+
+    @classmethod
+    def resident_ctas(cls, smem_per_sm: int, **args) -> int:
+        """CTAs per SM that shared memory allows (1..MAX_CTAS_PER_SM): the persistent grid
+        of a table codebook is SMs x this, and it is the register target that keeps
+        registers from being the tighter limit."""
+        per_cta = cls.smem_bytes_for(**args) + SMEM_RESERVED_PER_CTA
+        return max(1, min(MAX_CTAS_PER_SM, smem_per_sm // per_cta))
 
 
 class BRing:

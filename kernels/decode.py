@@ -25,10 +25,13 @@ from . import format as fmt
 from . import ptx
 from .sqg_t12 import T12_TABLE_BYTES, TABLE_DECODES
 
+#: Codebooks `decode_pair` decodes (each one's facts: `format.CODEBOOK`).
 MMA_CODEBOOKS = ("mcg", "3inst", "mul1", "sqg_e4m3")
 #: Codebooks decoded through a state -> byte table in shared memory (persistent CTAs).
-TABLE_CODEBOOKS = ("sqg_e4m3",)
-TABLE_BYTES = 1 << 16  # one E4M3FN byte per 16-bit state
+TABLE_CODEBOOKS = fmt.TABLE_CODEBOOKS
+#: Shared memory of one direct state table (one K): a byte per 16-bit state
+#: (`format.Codebook.table_bytes_per_k` of every table codebook).
+TABLE_BYTES = 1 << fmt.STATE_BITS
 #: The K=2 pair table (`kquant_cute.trellis.sqg_pair_table`): 2^14 entries of 8 bytes.
 PAIR_TABLE_BYTES = 1 << 17
 #: K of the uniform layers the pair table decodes (`decode_lane_tile_pair`).
@@ -58,7 +61,7 @@ def table_bytes(codebook: str | None, bits_set: tuple = (), pair_table: bool = F
         return 0
     if table_decode == "t12":
         return T12_TABLE_BYTES
-    return TABLE_BYTES * max(1, len(bits_set))
+    return fmt.CODEBOOK[codebook].table_bytes(max(1, len(bits_set)))
 
 
 def table_offset(codebook: str | None, bits_set: tuple = (), table_decode: str = "direct") -> int:
@@ -128,7 +131,7 @@ REPLICATE = 0x10001
 REPLICATE_INV = 0xFFFF0001
 #: Codebooks whose first step is one multiplication of the state (so a replicated state
 #: works); the table codebooks index shared memory with the state itself.
-REPLICATE_CODEBOOKS = ("mcg", "3inst", "mul1")
+REPLICATE_CODEBOOKS = tuple(c for c in MMA_CODEBOOKS if fmt.CODEBOOK[c].replicates)
 
 
 def replicated(mul: int) -> int:

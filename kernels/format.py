@@ -1,13 +1,18 @@
 """Trellis weight-format constants (EXL3 3inst / mcg / mul1, QSRT sqg_e4m3); no torch, no cutlass.
 
 The one owner of the numbers both the kernels and the reference codec need: tile and
-Hadamard-block sizes, the state width, the codebooks and their bit ranges, and each
-codebook's multipliers, masks and table facts. `kquant_cute.trellis` (the torch
-reference codec) re-exports them; kernels import them from here, so `kernels/` never
-imports the API package. Meaning of each step: BRIEF section 2 (EXL3) and 3 (QSRT).
+Hadamard-block sizes, the state width, each codebook's multipliers, masks and table
+facts, and the `Codebook` record of every codebook (`CODEBOOK`: its K range, ALU or
+table decode, state-table bytes per K, whether byte-aligned states may arrive replicated,
+whether it needs `cvt.rn.f16x2.e4m3x2`, its value RMS), which every other module asks
+instead of testing codebook names. `kquant_cute.trellis` (the torch reference codec)
+re-exports them; kernels import them from here, so `kernels/` never imports the API
+package. Meaning of each step, with public sources: docs/formats.md.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 #: Side of a trellis tile (weights per tile = TILE * TILE = 256).
 TILE = 16
@@ -19,11 +24,6 @@ STATE_BITS = 16
 HADAMARD_BLOCK = 128
 #: Latent-axis block of the QSRT coupled transforms (normalised Sylvester H512).
 COUPLED_RESIDUAL_BLOCK = 512
-
-#: Supported codebooks (state -> value maps).
-CODEBOOKS = ("3inst", "mcg", "mul1", "sqg_e4m3")
-#: Inclusive range of bits per weight (K) supported by each codebook.
-BITS_RANGE = {"3inst": (2, 6), "mcg": (2, 6), "mul1": (2, 6), "sqg_e4m3": (2, 4)}
 
 # 3INST: x = x * INST3_MUL + INST3_ADD (mod 2^32), then the lop3 step.
 INST3_MUL = 89226354
@@ -49,3 +49,78 @@ T12_SIZE = 4096
 T12_SCALE = 1.5
 #: SHA-256 of the 4,096 T12 bytes.
 T12_SHA256 = "cca11fe5744c9c93a34f4217f342fbc0f74ecc8a007c076582424a505fc9da5e"
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """What the rest of the code needs to know about one codebook (state -> value map).
+
+    Attributes:
+        name: the codebook's name in weights, specs and flags.
+        bits_range: inclusive range of bits per weight (K) it supports.
+        decode: ``"alu"`` (the value is computed from the state: multiply, then lop3 or
+            byte sum) or ``"table"`` (the state indexes a per-K state table that the GEMMs
+            stage in shared memory and the layer passes as ``codebook_table``).
+        table_bytes_per_k: shared memory of its state table for one K (0 for ALU decode).
+        replicates: its first step is one multiplication of the state, so a byte-aligned
+            state may arrive replicated in both 16-bit halves (kernels/decode.py,
+            ``REPLICATE``); a table codebook indexes memory with the state and cannot.
+        needs_cvt_e4m3: its decode needs ``cvt.rn.f16x2.e4m3x2`` (``ArchLimits.cvt_e4m3``).
+        rms: root mean square of its values over all 65,536 states (the same for every
+            K); the scale that maps a unit-RMS weight onto the codebook is ``1 / rms``.
+        family: the storage format it comes from, ``"exl3"`` or ``"qsrt"``.
+        exl3_marker: the int32 scalar an EXL3 file stores under the codebook's name to
+            select it (its multiplier), or None (3inst: no marker; QSRT codebooks).
+    """
+
+    name: str
+    bits_range: tuple[int, int]
+    decode: str
+    table_bytes_per_k: int = 0
+    replicates: bool = False
+    needs_cvt_e4m3: bool = False
+    rms: float = 1.0
+    family: str = "exl3"
+    exl3_marker: int | None = None
+
+    @property
+    def table(self) -> bool:
+        """Decoded through a state table (whose values, unlike ALU values, depend on K)."""
+        return self.decode == "table"
+
+    def table_bytes(self, rates: int = 1) -> int:
+        """Shared memory of its state tables for `rates` distinct K (0 for ALU decode)."""
+        return self.table_bytes_per_k * rates
+
+    def supports(self, bits) -> bool:
+        """`bits` is an int in `bits_range`."""
+        lo, hi = self.bits_range
+        return isinstance(bits, int) and not isinstance(bits, bool) and lo <= bits <= hi
+
+
+#: Every supported codebook's record, by name (the one list of codebooks).
+CODEBOOK: dict[str, Codebook] = {c.name: c for c in (
+    Codebook("3inst", (2, 6), "alu", replicates=True, rms=1.243711),
+    Codebook("mcg", (2, 6), "alu", replicates=True, rms=1.244112, exl3_marker=MCG_MUL),
+    Codebook("mul1", (2, 6), "alu", replicates=True, rms=1.000312, exl3_marker=MUL1_MUL),
+    Codebook("sqg_e4m3", (2, 4), "table", table_bytes_per_k=1 << STATE_BITS,
+             needs_cvt_e4m3=True, rms=1.498585, family="qsrt"),
+)}
+#: Supported codebooks (state -> value maps), in `CODEBOOK` order.
+CODEBOOKS = tuple(CODEBOOK)
+#: Inclusive range of bits per weight (K) supported by each codebook.
+BITS_RANGE = {name: c.bits_range for name, c in CODEBOOK.items()}
+#: Codebooks decoded through a state table.
+TABLE_CODEBOOKS = tuple(name for name, c in CODEBOOK.items() if c.table)
+
+
+def codebook(name: str) -> Codebook:
+    """The record of codebook `name`.
+
+    Raises:
+        ValueError: for an unknown codebook; the message lists the known ones.
+    """
+    try:
+        return CODEBOOK[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown codebook {name!r}; expected one of {CODEBOOKS}") from None

@@ -45,20 +45,18 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 
-from .arch import arch_limits, mma_archs
+from . import format as fmt
+from .arch import arch_limits, known_archs, mma_archs
+from .bring import (DEFAULT_STAGES, K_STEPS_PER_STAGE, MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA,
+                    TILE_N, check_rates)
+from .decode import check_table_decode
+from .gemms import GEMMS, MMA_KINDS, auto_mma
 from .launch import ARG_NAMES, ROUTE_BLOCK_SIZES  # noqa: F401 - ARG_NAMES: the entry point's order
 from .rotate import CombineOutput, MidActivation, RotateInput
 from .route_pack import RoutePack
-from .bring import DEFAULT_STAGES, K_STEPS_PER_STAGE, TILE_N, check_rates
-from .decode import TABLE_CODEBOOKS, check_pair_table, check_table_decode
 from .sqg_t12 import TABLE_DECODES, choose_table_decode
-from .trellis_gemm import (MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA, THREADS, TrellisGemm,
-                           smem_bytes as gemm_smem_bytes)
-from .trellis_wgmma import (TrellisWgmma, check_span, default_span, smem_bytes as wgmma_smem_bytes,
-                            warpgroups)
 
 ACT_DTYPES = ("bfloat16", "float16")
-MMA_KINDS = ("auto", "sync", "wgmma")
 OUT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_TOPK = 64
 INDEX_LIMIT = 2**31 - 1
@@ -70,13 +68,13 @@ _DSL_DTYPES = {
 
 
 def _resolve(mma: str, span: int, block_m: int, arch: str) -> tuple[str, int]:
-    """`mma` "auto" -> wgmma where the arch table lists it for this DSL target (sm_90a),
-    else mma.sync; `span` 0 -> `default_span(block_m)` under wgmma, 1 under mma.sync.
-    Values that are not resolvable are left for `MoESpec.check` to report."""
+    """`mma` "auto" -> the registry's preferred kind on this arch (`gemms.auto_mma`);
+    `span` 0 -> that GEMM class's `default_span(block_m)`. Values that are not resolvable
+    are left for `MoESpec.check` to report."""
     if mma == "auto":
-        mma = "wgmma" if arch in mma_archs("wgmma") else "sync"
-    if span == 0 and mma in ("sync", "wgmma") and isinstance(block_m, int):
-        span = default_span(block_m) if mma == "wgmma" else 1
+        mma = auto_mma(arch)
+    if span == 0 and mma in GEMMS and isinstance(block_m, int):
+        span = GEMMS[mma].default_span(block_m)
     return mma, span
 
 
@@ -85,23 +83,22 @@ def _resolve_table_decode(spec: "MoESpec") -> str:
     K) fit the target beside the smallest GEMM (M=8, span 1, one worker), else "t12"
     (`sqg_t12.choose_table_decode`). One answer per layer, whatever its block size: a
     larger M that does not fit with direct tables is rejected, as without T12, and the
-    planner falls back to a smaller one (direct decodes ~2.7x more weights per SM-clock
-    than T12 + bijection on the H200). Arithmetic codebooks read no table: "direct"."""
+    planner falls back to a smaller one (direct decodes faster than T12 + bijection:
+    docs/benchmarks.md). Arithmetic codebooks read no table: "direct"."""
     if spec.table_decode != "auto":
         return spec.table_decode
-    if spec.codebook not in TABLE_CODEBOOKS:
+    book = fmt.CODEBOOK.get(spec.codebook) if isinstance(spec.codebook, str) else None
+    if book is None or not book.table or spec.mma not in GEMMS:
         return "direct"
     try:
         limit = arch_limits(spec.arch).smem_per_block_optin
     except ValueError:
         return "direct"  # an unknown arch: `check` reports it
-    m = min(ROUTE_BLOCK_SIZES)
     bits_set = spec.bits_set if isinstance(spec.bits_set, tuple) else ()
     try:
-        if spec.mma == "wgmma":
-            need = wgmma_smem_bytes(m, spec.bits, spec.stages, 1, spec.codebook, bits_set)
-        else:
-            need = gemm_smem_bytes(m, spec.bits, spec.stages, spec.codebook, bits_set)
+        need = GEMMS[spec.mma].smem_bytes_for(block_m=min(ROUTE_BLOCK_SIZES), bits=spec.bits,
+                                              stages=spec.stages, codebook=spec.codebook,
+                                              bits_set=bits_set)
     except TypeError:
         return "direct"  # malformed fields: `check` reports them
     return choose_table_decode(need <= limit)
@@ -128,18 +125,17 @@ class MoESpec:
     shared_hidden_vectors: bool = False
     has_expert_map: bool = False
     stages: int = DEFAULT_STAGES
-    #: GEMM register target in CTAs per SM (nvvm.minctasm): 1 = none (the default; a
-    #: target measured no faster on the H200, docs/benchmarks.md), 0 = as many as shared
-    #: memory allows (`TrellisGemm.occupancy_target`), n = n.
+    #: GEMM register target in CTAs per SM (nvvm.minctasm): 1 = none (the default; see
+    #: docs/benchmarks.md), 0 = as many as shared memory allows (the GEMM class's
+    #: `resident_ctas`), n = n.
     occupancy: int = 1
-    #: GEMM instruction: "sync" (mma.sync, every arch), "wgmma" (sm_90a only: decoded
-    #: weights as the register A operand of async wgmma, see trellis_wgmma) or "auto"
-    #: (wgmma where the arch table offers it, else sync: the faster one on the H200, see
-    #: docs/benchmarks.md).
+    #: MMA kind of the GEMMs, a key of the registry `kernels/gemms.py` ("sync": mma.sync,
+    #: every arch; "wgmma": sm_90a only, decoded weights as the register A operand of
+    #: async wgmma) or "auto" (the registry's preferred kind on `arch`).
     mma: str = "auto"
-    #: wgmma only: route blocks of one expert per work item (rows = span x block_m <= 128),
-    #: so an expert's weights are decoded once per N tile for up to that many rows; 0 =
-    #: `trellis_wgmma.default_span(block_m)` under wgmma, 1 under mma.sync.
+    #: Route blocks of one expert per work item (rows = span x block_m), so an expert's
+    #: weights are decoded once per N tile for up to that many rows (wgmma: 1, 2 or 4, at
+    #: most 128 rows; mma.sync: 1); 0 = the GEMM class's `default_span(block_m)`.
     span: int = 0
     arch: str = "sm_90a"
     #: QSRT coupled transforms (H512 on the latent axis, signed H128 around the activation,
@@ -177,16 +173,24 @@ class MoESpec:
         d.pop("requested")
         return d
 
-    def check(self, smem_limit: int | None = None) -> str | None:
+    def check(self) -> str | None:
         """None when this specialization can be built, else the reason: the spec's own
-        static checks, then every sub-kernel's `can_implement` (with `smem_limit`, the
-        per-block shared memory of the target, when given)."""
-        if self.mma not in MMA_KINDS[1:]:
+        static checks, then every sub-kernel's `can_implement` against the per-block
+        shared memory of `arch` (from the arch table)."""
+        if self.mma not in GEMMS:
             return f"mma {self.mma!r} not in {MMA_KINDS}"
         for name in ("num_experts", "hidden", "intermediate", "topk", "bits", "block_m"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 return f"{name} must be a positive int, got {v!r}"
+        for name in ("hidden", "intermediate"):
+            if getattr(self, name) % fmt.HADAMARD_BLOCK:
+                return (f"{name} {getattr(self, name)} is not a positive multiple of "
+                        f"{fmt.HADAMARD_BLOCK} (the Hadamard block)")
+        if not self.has_expert_map and self.topk > self.num_experts:
+            return (f"topk {self.topk} is above num_experts {self.num_experts} (a token routes "
+                    "to top-k distinct experts; with an expert map the ids are global and may "
+                    "outnumber the local experts)")
         if (not isinstance(self.occupancy, int) or isinstance(self.occupancy, bool)
                 or not 0 <= self.occupancy <= MAX_CTAS_PER_SM):
             return f"occupancy must be an int in 0..{MAX_CTAS_PER_SM}, got {self.occupancy!r}"
@@ -194,16 +198,13 @@ class MoESpec:
             return f"act_dtype {self.act_dtype!r} not in {ACT_DTYPES}"
         if self.out_dtype not in OUT_DTYPES:
             return f"out_dtype {self.out_dtype!r} not in {OUT_DTYPES}"
-        if self.mma == "wgmma" and self.arch not in mma_archs("wgmma"):
-            return f"mma 'wgmma' needs {' or '.join(mma_archs('wgmma'))}, not {self.arch}"
+        limits = self.arch_limits()
+        if limits is None:
+            return f"arch {self.arch!r} is not in the arch table ({', '.join(known_archs())})"
+        if self.mma not in limits.mma_kinds:
+            return f"mma {self.mma!r} needs {' or '.join(mma_archs(self.mma))}, not {self.arch}"
         if not isinstance(self.span, int) or isinstance(self.span, bool) or self.span < 0:
             return f"span must be an int >= 0, got {self.span!r}"
-        if self.span != 1:
-            if self.mma != "wgmma":
-                return f"span {self.span!r} needs mma 'wgmma'"
-            reason = check_span(self.block_m, self.span)
-            if reason is not None:
-                return reason
         if self.topk > MAX_TOPK:
             return f"topk {self.topk} > {MAX_TOPK}"
         reason = check_rates(self.bits, self.bits_set, self.codebook, "n")
@@ -219,14 +220,12 @@ class MoESpec:
                 return "coupled transforms need shared hidden-side vectors"
             if self.hidden % 512:
                 return f"coupled transforms need hidden % 512 == 0 (H512), got {self.hidden}"
-        limits = self.arch_limits()
-        if self.codebook == "sqg_e4m3" and limits is not None and not limits.cvt_e4m3:
-            return (f"codebook 'sqg_e4m3' needs cvt.rn.f16x2.e4m3x2 (sm_89 or later), "
+        book = fmt.CODEBOOK.get(self.codebook)
+        if book is not None and book.needs_cvt_e4m3 and not limits.cvt_e4m3:
+            return (f"codebook {self.codebook!r} needs cvt.rn.f16x2.e4m3x2 (sm_89 or later), "
                     f"not {self.arch}")
-        if self.occupancy == 0 and limits is None:
-            return f"occupancy 0 needs a known arch, not {self.arch!r}"
         for sub in self.sub_kernels():
-            reason = sub.check(smem_limit)
+            reason = sub.check(limits.smem_per_block_optin)
             if reason is not None:
                 return reason
         words = self.num_experts * self.hidden * self.intermediate * self.bits // 32
@@ -258,23 +257,14 @@ class MoESpec:
         projection shape: gate and up share `gemm1`). Resource measurement and the
         geometry check iterate this list; nothing else names the kernels."""
         per_route = not self.shared_hidden_vectors
-        gemm, extra = TrellisGemm, {}
-        if self.mma == "wgmma":
-            gemm, extra = TrellisWgmma, {"span": self.span}
-            if self.gemm_workers() > 1:
-                extra["workers"] = self.gemm_workers()
-            if self.pair_table():
-                extra["pair_table"] = True
-        if self.codebook in TABLE_CODEBOOKS:  # persistent grid: SMs x resident CTAs
-            extra["ctas_per_sm"] = self.gemm_resident_ctas()
-            extra["table_decode"] = self.table_decode
-        common = dict(block_m=self.block_m, bits=self.bits, codebook=self.codebook,
-                      topk=self.topk, stages=self.stages,
-                      min_ctas_per_sm=self.gemm_ctas_per_sm(), **extra)
+        gemm = GEMMS[self.mma]
+        common = dict(self._gemm_geometry(), topk=self.topk, workers=self.gemm_workers(),
+                      min_ctas_per_sm=self.gemm_ctas_per_sm())
+        if self._table():  # persistent grid: SMs x resident CTAs
+            common["ctas_per_sm"] = self.gemm_resident_ctas()
         rates1, rates2 = {}, {}
         if self.mixed:  # FC1's intermediate axis is its N, FC2's its K
-            rates1 = dict(bits_set=self.bits_set, rate_axis="n")
-            rates2 = dict(bits_set=self.bits_set, rate_axis="k")
+            rates1, rates2 = dict(rate_axis="n"), dict(rate_axis="k")
         return (
             SubKernel("pack", RoutePack, dict(num_experts=self.num_experts,
                                               block_m=self.block_m,
@@ -333,82 +323,73 @@ class MoESpec:
                 f"_e{self.num_experts}_h{self.hidden}_"
                 f"i{self.intermediate}_t{self.topk}_s{self.stages}"
                 f"{f'_o{self.occupancy}' if self.occupancy != 1 else ''}"
-                f"{'_wgmma' if self.mma == 'wgmma' else ''}"
+                f"{GEMMS[self.mma].kernel_tag if self.mma in GEMMS else '_' + str(self.mma)}"
                 f"{f'_x{self.span}' if self.span != 1 else ''}_{self.arch}")
 
-    def default_banded(self) -> bool:
-        """The default route plan of this layer: banded (True: above the prefill threshold a
-        call binds the policy's M at its own m) or the seed's pair (False: the capacity's M).
-        Table codebooks keep the pair: their persistent GEMM stages the state table once
-        per CTA and runs measurably faster at the wider M (docs/benchmarks.md, issue 15)."""
-        return self.codebook not in TABLE_CODEBOOKS
+    def _table(self) -> bool:
+        """The codebook decodes through state tables (persistent GEMM grid)."""
+        book = fmt.CODEBOOK.get(self.codebook)
+        return book is not None and book.table
+
+    def _gemm_geometry(self) -> dict:
+        """The GEMM constructor arguments both projections share (static questions read
+        theirs from it), with the GEMM class's `pair_table_for` answer."""
+        geo = dict(block_m=self.block_m, bits=self.bits, codebook=self.codebook,
+                   stages=self.stages, span=self.span, bits_set=self.bits_set,
+                   table_decode=self.table_decode)
+        geo["pair_table"] = self.mma in GEMMS and GEMMS[self.mma].pair_table_for(**geo)
+        return geo
 
     def gemm_ctas_per_sm(self) -> int:
         """The GEMM's register target in CTAs per SM (see `occupancy`). Table codebooks:
         the resident CTAs of their persistent grid, whatever `occupancy` says (registers
         must not leave a grid slot unscheduled)."""
-        if self.codebook in TABLE_CODEBOOKS:
-            return self.gemm_resident_ctas()
-        if self.occupancy:
+        if self.occupancy and not self._table():
             return self.occupancy
-        smem_per_sm = self.arch_limits().smem_per_block_optin + SMEM_RESERVED_PER_CTA
-        return TrellisGemm.occupancy_target(self.block_m, self.bits, self.stages, smem_per_sm)
+        return self.gemm_resident_ctas()
 
     def pair_table(self) -> bool:
-        """The GEMMs decode through the K=2 pair table (`decode.decode_lane_tile_pair`,
+        """The GEMMs decode through the K=2 pair table (their class's `pair_table_for`;
+        `decode.decode_lane_tile_pair`,
         128 KiB, `kquant_cute.trellis.sqg_pair_table`) instead of the 64 KiB direct table:
         the wgmma GEMMs of a uniform sqg_e4m3 layer of K in `PAIR_TABLE_BITS` (sm_90a, whose
         227 KB per block hold the table beside two workers' rings; the mma.sync GEMM runs
         128-thread CTAs, of which the table would leave one per SM, and sm_120's 99 KB per
         block hold no 128 KiB table). The same for every block size and span of a layer,
         so one table serves all of its plans."""
-        return self.mma == "wgmma" and check_pair_table(self.bits, self.bits_set, self.codebook,
-                                                        self.table_decode) is None
+        return self._gemm_geometry()["pair_table"]
 
     def table_layout(self) -> str | None:
         """What `codebook_table` holds for this spec: "pair" (`pair_table`), "direct" (one
         64 KiB state table per rate, then T12: what the direct and the T12 decodes stage
         from, `kquant_cute.trellis.sqg_kernel_tables`) or None (arithmetic codebooks read
         none)."""
-        if self.codebook not in TABLE_CODEBOOKS:
+        if not self._table():
             return None
         return "pair" if self.pair_table() else "direct"
 
     def gemm_workers(self) -> int:
-        """Work-item loops per wgmma GEMM CTA: 2 where the state tables leave room for one
-        CTA per SM (mixed rates, the pair table) and two one-warpgroup workers' rings fit
-        beside them (trellis_wgmma), else 1."""
-        if (self.mma != "wgmma" or not (self.mixed or self.pair_table())
-                or self.span * self.block_m > 64):
-            return 1
+        """Work-item loops per GEMM CTA (the GEMM class's `workers_for` this arch's
+        per-block shared memory)."""
         limits = self.arch_limits()
-        need = wgmma_smem_bytes(self.block_m, self.bits, self.stages, self.span, self.codebook,
-                                self.bits_set, workers=2, pair_table=self.pair_table(),
-                                table_decode=self.table_decode)
-        return 2 if limits is not None and need <= limits.smem_per_block_optin else 1
+        if limits is None:
+            return 1
+        return GEMMS[self.mma].workers_for(limits.smem_per_block_optin, **self._gemm_geometry())
 
     def gemm_resident_ctas(self) -> int:
-        """GEMM CTAs per SM that shared memory allows (the persistent grid of a table
-        codebook is SMs x this); with T12 also no more than fit at the per-thread register
-        maximum: the direct tables' shared memory bounds the CTAs long before registers
-        do, T12's 4 KiB does not, and the register cap that more CTAs would set makes
-        ptxas spill in the bijection (168 registers for three 128-thread wgmma CTAs at
-        M=64 spilled)."""
+        """GEMM CTAs per SM that shared memory allows (the GEMM class's `resident_ctas`; the
+        persistent grid of a table codebook is SMs x this); with T12 also no more than fit
+        at the per-thread register maximum: the direct tables' shared memory bounds the
+        CTAs long before registers do, T12's 4 KiB does not, and the register cap that
+        more CTAs would set makes ptxas spill in the bijection."""
         limits = self.arch_limits()
         smem_per_sm = limits.smem_per_block_optin + SMEM_RESERVED_PER_CTA
-        if self.mma == "wgmma":
-            workers = self.gemm_workers()
-            need = wgmma_smem_bytes(self.block_m, self.bits, self.stages, self.span, self.codebook,
-                                    self.bits_set, workers, self.pair_table(), self.table_decode)
-            threads = THREADS * workers * warpgroups(self.span * self.block_m, self.mixed, workers)
-        else:
-            need = gemm_smem_bytes(self.block_m, self.bits, self.stages, self.codebook,
-                                   self.bits_set, table_decode=self.table_decode)
-            threads = THREADS
-        ctas = smem_per_sm // (need + SMEM_RESERVED_PER_CTA)
+        gemm, geo = GEMMS[self.mma], dict(self._gemm_geometry(), workers=self.gemm_workers())
+        ctas = gemm.resident_ctas(smem_per_sm, **geo)
         if self.table_decode == "t12":
-            ctas = min(ctas, limits.regs_per_sm // (threads * limits.regs_per_thread_max))
-        return max(1, min(MAX_CTAS_PER_SM, ctas))
+            threads = gemm.threads_for(**geo)
+            ctas = max(1, min(ctas, limits.regs_per_sm // (threads * limits.regs_per_thread_max)))
+        return ctas
 
 
 @dataclass(frozen=True)
@@ -475,10 +456,8 @@ class MoEForward:
         self.pack(topk_ids, expert_map, sorted_routes, block_expert, num_padded,
                   expert_offsets, expert_counts, n_routes, max_blocks, stream)
         self.rotate_in(x, gate_suh, up_suh, topk_ids, expert_map, xg, xu, rows, stream)
-        # The wgmma GEMM also reads the per-expert offsets and counts (spans).
-        groups = (block_expert, num_padded)
-        if cutlass.const_expr(self.spec.mma == "wgmma"):
-            groups = (block_expert, num_padded, expert_offsets, expert_counts)
+        # Every GEMM takes the per-expert offsets and counts (those with spans read them).
+        groups = (block_expert, num_padded, expert_offsets, expert_counts)
         # The rate maps (mixed rates; uniform GEMMs never read them): FC1's per N tile.
         rates1 = (fc1_bits, fc1_words, fc1_row_words)
         self.gemm1(xg, gate_trellis, sorted_routes, *groups, g, n_routes, a_zero_row,

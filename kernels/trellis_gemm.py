@@ -51,16 +51,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from . import ptx
-from .bring import (DEFAULT_STAGES, K_STEPS_PER_STAGE, TILE_N, BRing, b_stage_bytes,
-                    check_geometry)
+from .bring import (DEFAULT_STAGES, K_STEPS_PER_STAGE, TILE_N, BRing, GemmClass,
+                    b_stage_bytes, check_geometry)
 from .decode import (check_pair_table, decode_tile, lane_words, persistent_grid, stage_table,
                      table_bytes, table_note, table_offset)
 
 NUM_WARPS = 4
 THREADS = 32 * NUM_WARPS
 A_ROW_HALVES = 16 * K_STEPS_PER_STAGE + 8  # padded smem row: conflict-free ldmatrix
-MAX_CTAS_PER_SM = 8  # occupancy target cap (64 regs/thread at 8 x 128 threads)
-SMEM_RESERVED_PER_CTA = 1024  # the driver's per-CTA shared-memory reservation
 
 
 STAGE_ROW_FLOATS = 32 + 8  # padded fp32 row of a warp's 16 x 32 epilogue chunk (conflict-free v2 stores)
@@ -84,17 +82,22 @@ def smem_bytes(block_m: int, bits: int, stages: int, codebook: str | None = None
             + stages * b_stage_bytes(bits))
 
 
-class TrellisGemm:
+class TrellisGemm(GemmClass):
     """One specialization of the trellis grouped GEMM (see module docstring)."""
+
+    kind = "sync"
+    instruction = "mma.sync"
+    kernel_tag = ""
 
     def __init__(self, *, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                  topk: int, a_rows_per_token: bool, stages: int = DEFAULT_STAGES,
                  min_ctas_per_sm: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
-                 rate_axis: str = "n", pair_table: bool = False, table_decode: str = "direct"):
+                 rate_axis: str = "n", span: int = 1, workers: int = 1,
+                 pair_table: bool = False, table_decode: str = "direct"):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages, bits_set=bits_set,
-                                    rate_axis=rate_axis, pair_table=pair_table,
-                                    table_decode=table_decode)
+                                    rate_axis=rate_axis, span=span, workers=workers,
+                                    pair_table=pair_table, table_decode=table_decode)
         if reason is not None:
             raise ValueError(reason)
         self.block_m = block_m
@@ -136,23 +139,30 @@ class TrellisGemm:
                                      table_decode)
 
     @staticmethod
-    def occupancy_target(block_m: int, bits: int, stages: int, smem_per_sm: int,
-                         codebook: str | None = None) -> int:
-        """CTAs per SM that shared memory allows (1..MAX_CTAS_PER_SM): the register target
-        that keeps registers from being the tighter limit. On sm_90 (228 KB per SM) and the
-        default 4 stages: M=8/16 -> 8 (64 regs), 32 -> 6 (80), 48 -> 5 (96), 64 -> 4 (128)."""
-        per_cta = smem_bytes(block_m, bits, stages, codebook) + SMEM_RESERVED_PER_CTA
-        return max(1, min(MAX_CTAS_PER_SM, smem_per_sm // per_cta))
+    def threads_for(**args) -> int:
+        """Threads per CTA: one warpgroup, whatever the geometry."""
+        return THREADS
+
+    @staticmethod
+    def smem_bytes_for(*, block_m: int, bits: int, stages: int = DEFAULT_STAGES,
+                       codebook: str | None = None, bits_set: tuple = (),
+                       pair_table: bool = False, table_decode: str = "direct", **args) -> int:
+        """Dynamic shared memory of one CTA (`smem_bytes`)."""
+        return smem_bytes(block_m, bits, stages, codebook, bits_set, pair_table, table_decode)
 
     @staticmethod
     def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                       stages: int = DEFAULT_STAGES, smem_limit: int | None = None,
                       topk: int = 1, a_rows_per_token: bool = False,
                       min_ctas_per_sm: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
-                      rate_axis: str = "n", pair_table: bool = False,
-                      table_decode: str = "direct") -> str | None:
+                      rate_axis: str = "n", span: int = 1, workers: int = 1,
+                      pair_table: bool = False, table_decode: str = "direct") -> str | None:
         """None when this geometry compiles to a valid kernel, else the reason (takes the
         constructor's arguments; `smem_limit`: the target's per-block shared memory)."""
+        if span != 1:
+            return f"span {span!r}: mma 'sync' runs one route block per work item (span 1)"
+        if workers != 1:
+            return f"workers {workers!r}: mma 'sync' runs one work-item loop per CTA"
         reason = check_geometry(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                 codebook=codebook, stages=stages, bits_set=bits_set,
                                 rate_axis=rate_axis, table_decode=table_decode)
@@ -169,10 +179,12 @@ class TrellisGemm:
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
-                 pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
-                 n_routes: Int32, zero_row: Int32, max_blocks: Int32, pTable: cute.Pointer,
-                 sm_count: Int32, pRateBits: cute.Pointer, pRateWords: cute.Pointer,
-                 k_tile_words: Int32, stream):
+                 pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOffsets: cute.Pointer,
+                 pCounts: cute.Pointer, pOut: cute.Pointer, n_routes: Int32, zero_row: Int32,
+                 max_blocks: Int32, pTable: cute.Pointer, sm_count: Int32,
+                 pRateBits: cute.Pointer, pRateWords: cute.Pointer, k_tile_words: Int32, stream):
+        # The call every GEMM of the registry takes; this one does not read the per-expert
+        # offsets and counts (`pOffsets`, `pCounts`: one route block per work item).
         # One CTA per possible work item (the plan's block bound x N tiles); CTAs past the
         # packed block count exit at once, and the hardware scheduler balances the rest.
         # Table codebooks: one persistent CTA per resident slot instead (see module doc).

@@ -56,7 +56,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from . import ptx
-from .bring import K_STEPS_PER_STAGE, TILE_N, BRing, b_stage_bytes, check_geometry
+from .bring import (DEFAULT_STAGES, K_STEPS_PER_STAGE, TILE_N, BRing, GemmClass, b_stage_bytes,
+                    check_geometry)
 from .decode import (TABLE_CODEBOOKS, check_pair_table, decode_tile, lane_words,
                      persistent_grid, stage_table, table_bytes, table_note, table_offset)
 from .trellis_gemm import NUM_WARPS, THREADS
@@ -142,8 +143,47 @@ def smem_descriptor_sw128(saddr) -> Int64:
             | Int64((ROW_GROUP_BYTES >> 4) << 32) | Int64(1 << 62))
 
 
-class TrellisWgmma:
+class TrellisWgmma(GemmClass):
     """One specialization of the wgmma trellis grouped GEMM (see module docstring)."""
+
+    kind = "wgmma"
+    instruction = "async wgmma"
+    kernel_tag = "_wgmma"
+    default_span = staticmethod(default_span)
+
+    @staticmethod
+    def threads_for(*, block_m: int, span: int = 1, bits_set: tuple = (), workers: int = 1,
+                    **args) -> int:
+        """Threads per CTA: the warpgroups of one work item, times the workers."""
+        return THREADS * warpgroups(span * block_m, bool(bits_set), workers) * workers
+
+    @staticmethod
+    def smem_bytes_for(*, block_m: int, bits: int, stages: int = DEFAULT_STAGES, span: int = 1,
+                       codebook: str | None = None, bits_set: tuple = (), workers: int = 1,
+                       pair_table: bool = False, table_decode: str = "direct", **args) -> int:
+        """Dynamic shared memory of one CTA (`smem_bytes`)."""
+        return smem_bytes(block_m, bits, stages, span, codebook, bits_set, workers, pair_table,
+                          table_decode)
+
+    @staticmethod
+    def pair_table_for(*, bits: int, codebook: str, bits_set: tuple = (),
+                       table_decode: str = "direct", **args) -> bool:
+        """The K=2 pair table for a uniform sqg_e4m3 layer of K in `PAIR_TABLE_BITS` with
+        direct tables: on sm_90a the 227 KB per block hold it beside two workers' rings
+        (module docstring)."""
+        return check_pair_table(bits, bits_set, codebook, table_decode) is None
+
+    @classmethod
+    def workers_for(cls, smem_limit: int, *, block_m: int, span: int = 1, bits_set: tuple = (),
+                    pair_table: bool = False, **args) -> int:
+        """2 where the state tables leave room for one CTA per SM (mixed rates, the pair
+        table) and two one-warpgroup workers' rings fit beside them (module docstring),
+        else 1."""
+        if not (bits_set or pair_table) or span * block_m > 64:
+            return 1
+        need = cls.smem_bytes_for(block_m=block_m, span=span, bits_set=bits_set,
+                                  pair_table=pair_table, **dict(args, workers=2))
+        return 2 if need <= smem_limit else 1
 
     @staticmethod
     def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,

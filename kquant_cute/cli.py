@@ -48,7 +48,7 @@ from .compile_cache.cache import ENV_DIR
 from .defaults import DEFAULT_CAPACITY, REFERENCE_LAYER
 from .environment import ConfigurationError, check_environment
 from .kernels.format import HADAMARD_BLOCK
-from .planners import arch_limits, known_archs, normalize_arch, resolve_env
+from .planners import known_archs, normalize_arch, resolve_env
 
 if TYPE_CHECKING:
     from .kernels.moe import MoESpec
@@ -280,14 +280,14 @@ def _profile_fields(args: argparse.Namespace) -> dict[str, Any]:
         from .qsrt.layout import RATE_SET
 
         rates, bits = {"bits_set": RATE_SET}, RATE_SET[-1]
-    for flag, value, wanted in (("--bits", args.bits, bits), ("--codebook", args.codebook, "sqg_e4m3")):
+    for flag, value, wanted in (("--bits", args.bits, bits), ("--codebook", args.codebook, qsrt.CODEBOOK)):
         if value is not None and value != wanted:
             raise _UsageError(f"{flag} {value} contradicts --profile {args.profile} "
                               f"({flag} {wanted})")
     if prof.coupled and args.per_expert_vectors:
         raise _UsageError(f"--per-expert-vectors contradicts --profile {args.profile} (coupled "
                           "transforms need shared hidden-side vectors)")
-    return {"bits": bits, "codebook": "sqg_e4m3", "coupled": prof.coupled, **rates}
+    return {"bits": bits, "codebook": qsrt.CODEBOOK, "coupled": prof.coupled, **rates}
 
 
 #: MoESpec field -> the flag that sets it (reasons from MoESpec.check name fields).
@@ -354,15 +354,18 @@ _SIZE_FLAGS = {"--experts": ("num_experts", 1), "--hidden": ("hidden", HADAMARD_
                "--intermediate": ("intermediate", HADAMARD_BLOCK)}
 
 
-def _largest_valid(base: MoESpec, field: str, step: int, smem: int) -> Optional[int]:
+def _largest_valid(base: MoESpec, field: str, step: int) -> Optional[int]:
     """The largest multiple of `step` below `base`'s value of `field` that MoESpec.check
-    accepts with every other field as given (None when not even `step` is), by bisection:
-    the sizes' checks (shared memory, 32-bit indexing) only grow with the value."""
+    accepts with every other field as given (None when none is), by bisection: above the
+    smallest accepted value (found by doubling from `step`: e.g. the experts must be at
+    least top-k), the sizes' checks (shared memory, 32-bit indexing) only grow with it."""
     def ok(v: int) -> bool:
-        return base.replace(**{field: v}).check(smem_limit=smem) is None
+        return base.replace(**{field: v}).check() is None
 
     lo, hi = step, getattr(base, field)
-    if not ok(lo):
+    while lo < hi and not ok(lo):
+        lo *= 2
+    if lo >= hi:
         return None
     while hi - lo > step:
         mid = lo + (hi - lo) // (2 * step) * step
@@ -373,7 +376,7 @@ def _largest_valid(base: MoESpec, field: str, step: int, smem: int) -> Optional[
     return lo
 
 
-def _size_bound(args: argparse.Namespace, base: MoESpec, smem: int) -> Optional[str]:
+def _size_bound(args: argparse.Namespace, base: MoESpec) -> Optional[str]:
     """For a geometry MoESpec.check rejects: the size flag whose value alone is too large
     (the one furthest above its default first), with its largest accepted value."""
     given = [(flag, field, step) for flag, (field, step) in _SIZE_FLAGS.items()
@@ -382,31 +385,25 @@ def _size_bound(args: argparse.Namespace, base: MoESpec, smem: int) -> Optional[
     if base.coupled:  # the coupled latent transform works on blocks of 512 channels
         given = [(f, fd, 512 if fd == "hidden" else st) for f, fd, st in given]
     for flag, field, step in given:
-        bound = _largest_valid(base, field, step, smem)
+        bound = _largest_valid(base, field, step)
         if bound is None:
             continue
-        over = base.replace(**{field: bound + step}).check(smem_limit=smem) or ""
+        over = base.replace(**{field: bound + step}).check()
+        if over is None:  # the value is rejected for something other than its size
+            continue
         return (f"{flag} must be at most {bound:,} with the other flags as given "
                 f"({flag} {bound + step:,}: {_flagged(over)})")
     return None
 
 
 def _check_flags(args: argparse.Namespace, base: MoESpec, archs: Sequence[str]) -> None:
-    """The library's checks (MoESpec.check, MoELayer's capacity and top-k rules), with
-    messages that name the flags and echo what was typed; raises _UsageError."""
-    for flag, value in (("--hidden", base.hidden), ("--intermediate", base.intermediate)):
-        if value % HADAMARD_BLOCK:
-            raise _UsageError(f"invalid geometry: {flag} {value} is not a positive multiple of "
-                              f"{HADAMARD_BLOCK} (the Hadamard block)")
-    if not args.expert_map and base.topk > base.num_experts:
-        raise _UsageError(f"invalid geometry: --topk {base.topk} is above --experts "
-                          f"{base.num_experts} (a token routes to top-k distinct experts; with "
-                          "--expert-map the ids are global and may outnumber the local experts)")
+    """The library's checks (MoESpec.check, which owns the Hadamard-block and top-k rules
+    too, and MoELayer's capacity rule), with messages that name the flags and echo what
+    was typed; raises _UsageError."""
     for arch in archs:
-        smem = arch_limits(arch).smem_per_block_optin
-        reason = base.replace(arch=arch).check(smem_limit=smem)
+        reason = base.replace(arch=arch).check()
         if reason is not None:
-            bound = _size_bound(args, base.replace(arch=arch), smem)
+            bound = _size_bound(args, base.replace(arch=arch))
             raise _UsageError(f"invalid geometry for {arch}: {bound or _flagged(reason)}")
     if args.capacity > base.max_tokens():
         raise _UsageError(

@@ -4,7 +4,7 @@ Owns the composition of kernels (what a specialization is and how it compiles), 
 compile cache (never re-pay a compile) and the planners (which route block M to use):
 - `get_specialization(spec)`: the cached compile of one `MoESpec` (compiles on a miss,
   also on a machine with no GPU); the cache's load step links the object into this
-  process (host side, no GPU needed, ~2 ms), so an entry whose checksum matches but whose
+  process (host side, no GPU needed), so an entry whose checksum matches but whose
   object does not load is deleted and rebuilt by the cache instead of being served.
 - `geometry_check(spec, arch)`: the validity predicate the planner's fallback uses:
   static reasons from the kernel, then measured registers / spills / shared memory of
@@ -31,19 +31,20 @@ from typing import Optional
 from .compile_cache import CacheResult, CompileCache, CompileCacheMiss, default_cache
 from .compile_cache.store import sweep_stale
 from .kernels import build as kbuild
+from .kernels.gemms import GEMMS
 from .kernels.moe import MoESpec
 from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, RoutePlan, arch_limits,
-                       check_resources, normalize_arch, plan_routes, resolve_env)
+                       check_resources, default_banded, normalize_arch, plan_routes,
+                       resolve_env)
 
 KERNEL_NAME = "w4a16_trellis_moe"
-_GEMM_NAMES = {"sync": "mma.sync", "wgmma": "async wgmma"}
 
 
 def describe_gemm(plans) -> str:
     """The "GEMM:" line of a describe(): per plan (block_m, mma, span), its MMA instruction
     and, above 1, the route blocks of one expert per work item."""
     return "GEMM: " + ", ".join(
-        f"M={block_m} {_GEMM_NAMES.get(mma, mma)}"
+        f"M={block_m} {GEMMS[mma].instruction if mma in GEMMS else mma}"
         + (f" x {span} route blocks per work item" if span > 1 else "")
         for block_m, mma, span in plans)
 
@@ -149,7 +150,7 @@ def _check(spec: MoESpec, cache: Optional[CompileCache],
            observe: Optional[Observer] = None) -> tuple[GeometryVerdict, Optional[CacheOutcome]]:
     """`geometry_check`, also returning the cache's outcome (None: never asked)."""
     limits = arch_limits(spec.arch)
-    reason = spec.check(smem_limit=limits.smem_per_block_optin)
+    reason = spec.check()
     if reason is not None:
         return GeometryVerdict(block_m=spec.block_m, ok=False, reason=reason), None
     cache = cache or default_cache()  # an invalid cache environment raises, not "rejected"
@@ -262,10 +263,11 @@ def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] =
     `plan_forward`). `observe` sees every cache request before and after. Needs no GPU
     (objects are cross-compiled for `arch`); `env` defaults to the process environment's
     plan knobs (`planners.resolve_env`). `banded=None` is the layer's default plan
-    (`MoESpec.default_banded`); True / False ask for the banded plan / the seed's pair."""
+    (`planners.default_banded`); True / False ask for the banded plan / the decode /
+    prefill pair."""
     arch = normalize_arch(arch)
     env = resolve_env() if env is None else env
-    banded = base.default_banded() if banded is None else banded
+    banded = default_banded(base.codebook) if banded is None else banded
     # The MMA kind resolves per arch, so every plan of the layer shares it (bitwise
     # equality across M); an "auto" span resolves per block size.
     base = base.replace(arch=arch)
@@ -288,8 +290,9 @@ def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] =
 def plan_forward(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] = None,
                  cache: Optional[CompileCache] = None, banded: Optional[bool] = None) -> ForwardPlan:
     """`compile_plan` for a layer: the decode / prefill specializations (with `banded`, also
-    every accepted size between them; `banded=False` is the seed's plan pair; `None`, the
-    default, is `MoESpec.default_banded`; see `planners.RoutePlan`), compiled through the cache.
+    every accepted size between them; `banded=False` is the decode / prefill pair; `None`,
+    the default, is `planners.default_banded`; see `planners.RoutePlan`), compiled through
+    the cache.
 
     Raises:
         ValueError: when the decode specialization is not implementable.

@@ -2,7 +2,7 @@
 
 Owns `MoELayer`: built once per layer shape (weights, top-k, token capacity, dtypes), it
 plans the decode (M = 8) and prefill (policy M with fallback) specializations and, when
-banded (`MoESpec.default_banded`: every codebook but the table one), the sizes between
+banded (`planners.default_banded`: every codebook but the table one), the sizes between
 them a call's own m selects, gets them
 from the compile cache, and allocates ONE scratch arena (its route list sized by the plan's
 `RoutePlan.route_slots`, the bound over every token band) plus one output buffer; a call
@@ -186,8 +186,9 @@ class MoELayer:
             raise RuntimeError(f"the layer's plans read different state tables: {layouts}")
         if layouts == {"pair"}:  # the K=2 pair table (MoESpec.pair_table)
             self._table = trellis.sqg_pair_table(base.bits, self.device)
-        elif weights.codebook == "sqg_e4m3":  # direct tables in bits_set order, then T12
-            self._table = trellis.sqg_kernel_tables(base.bits_set or (base.bits,), self.device)
+        elif trellis.codebook_record(weights.codebook).table:  # direct tables per K, then T12
+            self._table = trellis.kernel_tables(weights.codebook, base.bits_set or (base.bits,),
+                                                self.device)
         else:
             self._table = torch.zeros(16, dtype=torch.uint8, device=self.device)
         self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count

@@ -29,7 +29,7 @@ from .compile_cache import CompileCache, CompileCacheMiss, default_cache
 from .compiler import CacheOutcome, ForwardPlan, compile_plan, geometry_check
 from .defaults import DEFAULT_CAPACITY, REFERENCE_LAYER
 from .kernels.moe import MoESpec
-from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, arch_limits, candidate_bound,
+from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, candidate_bound, default_banded,
                         normalize_arch, plan_routes, resolve_env)
 from .planners.plans import CandidateRole
 
@@ -242,12 +242,12 @@ def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
     cache lacks (or holds corrupt) is recorded as failed and taken as the one the plan
     binds (a frozen cache never falls back to a narrower M), so the walk stops there and
     every other planned size is still asked: the report lists all of them, not the first."""
-    banded = spec.default_banded() if banded is None else banded
+    banded = default_banded(spec.codebook) if banded is None else banded
     misses: dict[int, CompileCacheMiss] = {}
 
     def check(block_m: int) -> GeometryVerdict:
         s = spec.replace(block_m=block_m)
-        if s.check(smem_limit=arch_limits(arch).smem_per_block_optin) is not None:
+        if s.check() is not None:  # spec is on `arch`: its check uses that arch's limits
             return geometry_check(s, cache)  # a static rejection asks no cache
         try:
             return geometry_check(s, cache)
@@ -347,8 +347,8 @@ def prewarm_plans(
     shape: the prefill fallback walk (each M from the pin / policy choice down to the
     accepted one, each checked by ``geometry_check``), then the decode plan (M=8), then
     when banded each size between them: ``None`` (the default) prewarms ``MoELayer``'s
-    default plan (:meth:`MoESpec.default_banded`), ``True`` / ``False`` the banded plan /
-    the seed's plan pair (``MoELayer(banded=...)``).
+    default plan (:func:`kquant_cute.planners.default_banded`), ``True`` / ``False`` the
+    banded plan / the decode / prefill pair (``MoELayer(banded=...)``).
 
     ``env`` defaults to :func:`~kquant_cute.planners.resolve_env` of the process
     environment (ValueError naming the variable when invalid); ``cache`` to

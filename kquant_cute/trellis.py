@@ -13,7 +13,7 @@ trellis-coded linear layer is stored and what it means:
 Everything is plain, vectorised torch and runs on CPU or CUDA tensors. Importing the
 module does no work beyond importing torch: tables are built lazily and cached.
 
-Format summary (see BRIEF section 2/3): a layer ``y = x @ W`` with ``W`` of shape
+Format summary (docs/formats.md, with public sources): a layer ``y = x @ W`` with ``W`` of shape
 ``[in, out]`` stores ``trellis`` int16 ``[in/16, out/16, 16*K]``; tile ``(i, j)`` holds the
 256 weights of ``W_hat[16i:16i+16, 16j:16j+16]`` as a 256*K-bit ring. Weight ``t`` reads
 the 16-bit state ``x_t`` = stream bits ``[(t+1)K-16, (t+1)K)`` (mod 256K, MSB first) and
@@ -38,6 +38,9 @@ __all__ = [
     "HADAMARD_BLOCK",
     "CODEBOOKS",
     "BITS_RANGE",
+    "CODEBOOK",
+    "Codebook",
+    "codebook_record",
     "INST3_MUL",
     "INST3_ADD",
     "MCG_MUL",
@@ -60,6 +63,8 @@ __all__ = [
     "sqg_state_table",
     "sqg_pair_table",
     "sqg_kernel_tables",
+    "state_table",
+    "kernel_tables",
     "tile_position_map",
     "tile_inverse_position_map",
     "tiles_to_matrix",
@@ -84,11 +89,13 @@ __all__ = [
 # Owned by kernels/format.py (torch-free, so the kernels need not import this module);
 # re-exported here as part of the codec's API.
 from .kernels.format import (  # noqa: E402,F401
-    TILE, TILE_WEIGHTS, STATE_BITS, HADAMARD_BLOCK, CODEBOOKS, BITS_RANGE, INST3_MUL,
+    TILE, TILE_WEIGHTS, STATE_BITS, HADAMARD_BLOCK, CODEBOOKS, BITS_RANGE, CODEBOOK, Codebook,
+    INST3_MUL,
     INST3_ADD, MCG_MUL, LOP3_MASK, LOP3_XOR, MUL1_MUL, MUL1_H_BASE_BITS, MUL1_KINV_BITS,
     MUL1_KBIAS_BITS, SQG_MUL, SQG_ADD, SQG_XORSHIFT, T12_SIZE, T12_SCALE, T12_SHA256,
     COUPLED_RESIDUAL_BLOCK,
 )
+from .kernels.format import codebook as codebook_record  # noqa: E402
 
 _MASK32 = 0xFFFFFFFF
 _MASK16 = 0xFFFF
@@ -215,7 +222,9 @@ def state_to_value(states: torch.Tensor, codebook: str, bits: int) -> torch.Tens
         return _lop3_value((x * MCG_MUL) & _MASK32)
     if codebook == "mul1":
         return _mul1_value(x)
-    return _sqg_value(x, bits)
+    if codebook == "sqg_e4m3":
+        return _sqg_value(x, bits)
+    raise ValueError(f"codebook {codebook!r} has no reference decode")
 
 
 def codebook_lut(
@@ -227,8 +236,8 @@ def codebook_lut(
     """
     check_codebook(codebook, bits)
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    # Only sqg_e4m3 depends on K; share one table across K for the others.
-    key = (codebook, bits if codebook == "sqg_e4m3" else 0, _key(dev))
+    # Only a table codebook's values depend on K; share one table across K for the others.
+    key = (codebook, bits if CODEBOOK[codebook].table else 0, _key(dev))
     lut = _LUT_CACHE.get(key)
     if lut is None:
         if dev.type != "cpu":
@@ -302,6 +311,37 @@ def sqg_kernel_tables(rates: tuple, device: Optional[torch.device | str] = None)
     return torch.cat([sqg_state_table(k, device) for k in rates] + [t12_table(device)])
 
 
+def state_table(codebook: str, bits: int,
+                device: Optional[torch.device | str] = None) -> torch.Tensor:
+    """uint8 [65536]: the direct state table of a table codebook at ``bits`` per weight
+    (``format.Codebook.table``), e.g. :func:`sqg_state_table` for sqg_e4m3.
+
+    Raises:
+        ValueError: for an unknown codebook, a K outside its range, or an ALU codebook
+            (which has no state table).
+    """
+    check_codebook(codebook, bits)
+    if codebook == "sqg_e4m3":
+        return sqg_state_table(bits, device)
+    raise ValueError(f"codebook {codebook!r} decodes without a state table")
+
+
+def kernel_tables(codebook: str, rates: tuple,
+                  device: Optional[torch.device | str] = None) -> torch.Tensor:
+    """uint8: the ``codebook_table`` argument of the fused kernels for a layer of a table
+    codebook with K in ``rates`` that decodes through direct tables or T12 (for sqg_e4m3:
+    :func:`sqg_kernel_tables`).
+
+    Raises:
+        ValueError: for an unknown codebook, a K outside its range, or an ALU codebook.
+    """
+    for k in rates:
+        check_codebook(codebook, k)
+    if codebook == "sqg_e4m3":
+        return sqg_kernel_tables(rates, device)
+    raise ValueError(f"codebook {codebook!r} decodes without a state table")
+
+
 def _generate_t12() -> torch.Tensor:
     r = torch.arange(1 << 16, dtype=torch.float64)
     y = T12_SCALE * torch.special.ndtri((r + 0.5) / float(1 << 16))
@@ -321,7 +361,7 @@ def _generate_t12() -> torch.Tensor:
 def t12_table(device: Optional[torch.device | str] = None) -> torch.Tensor:
     """uint8 [4096]: the generated sqg_e4m3 table, verified against ``T12_SHA256``.
 
-    Built on first use (~10 ms) and cached per device; the tensor is shared, do not
+    Built on first use and cached per device; the tensor is shared, do not
     modify it.
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")

@@ -20,6 +20,7 @@ from .geometry import (
 )
 from .plans import (
     DECODE_BLOCK_M,
+    PAIR_PLAN_DECODES,
     DEFAULT_PREFILL_MIN_M,
     ENV_PREFILL_BLOCK_M,
     ENV_PREFILL_MIN_M,
@@ -30,6 +31,7 @@ from .plans import (
     TokenBand,
     candidate_bound,
     choose_prefill_block,
+    default_banded,
     plan_routes,
     policy_runs,
     resolve_env,
@@ -54,6 +56,7 @@ __all__ = [
     "FILL_TARGET",
     "GeometryCheck",
     "GeometryVerdict",
+    "PAIR_PLAN_DECODES",
     "PlanEnv",
     "ROUTE_BLOCK_SIZES",
     "RoutePlan",
@@ -62,6 +65,7 @@ __all__ = [
     "candidate_bound",
     "check_resources",
     "choose_prefill_block",
+    "default_banded",
     "geometry_verdict",
     "known_archs",
     "max_route_blocks",

@@ -1,7 +1,7 @@
 """The route plan of one layer shape: which route block M serves which token counts, and why.
 
-This module owns the decision logic of BRIEF section 4 ("the seed's plan"), independent of
-the kernel, which is injected as a ``check(block_m) -> reason | None | GeometryVerdict``:
+This module owns the plan decisions (docs/formats.md, "Route policy"), independent of the
+kernel, which is injected as a ``check(block_m) -> reason | None | GeometryVerdict``:
 
 * :func:`resolve_env` reads ``KQUANT_W4A16_PREFILL_BLOCK_M`` (pin the prefill M; ``0``
   disables the prefill plan) and ``KQUANT_W4A16_PREFILL_MIN_M`` (the prefill plan binds only
@@ -16,6 +16,11 @@ the kernel, which is injected as a ``check(block_m) -> reason | None | GeometryV
   bind"; :meth:`RoutePlan.max_blocks` (a call's grid bound) and :attr:`RoutePlan.route_slots`
   (the scratch route list) are the route bounds a layer allocates and launches with.
 * :func:`candidate_bound` -- how many candidates a plan can ask about (progress bars).
+* :func:`default_banded` -- which plan a layer gets when it asks for none: banded, or
+  the decode / prefill pair (:data:`PAIR_PLAN_DECODES`).
+
+Policy lives here, not in the kernels: a change to it chooses other specializations but
+never changes what a specialization compiles to (its cache key).
 
 The plans of one layer share one scratch arena sized to the largest band and one fp32 output
 buffer (that sizing belongs to the kernel module; ``describe`` only reports it).
@@ -29,6 +34,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Optional, Union
 
+from ..kernels.format import codebook as codebook_record
 from .geometry import GeometryVerdict
 from .policy import (
     ROUTE_BLOCK_SIZES,
@@ -53,7 +59,26 @@ __all__ = [
     "plan_routes",
     "candidate_bound",
     "policy_runs",
+    "PAIR_PLAN_DECODES",
+    "default_banded",
 ]
+
+#: Codebook decodes (``format.Codebook.decode``) whose layers default to the decode /
+#: prefill pair instead of the banded plan: a table codebook's persistent GEMM stages its
+#: state tables once per CTA and runs faster at the pair's wider M (docs/benchmarks.md).
+PAIR_PLAN_DECODES: tuple[str, ...] = ("table",)
+
+
+def default_banded(codebook: str) -> bool:
+    """The default route plan of a layer of ``codebook``: banded (True: above the prefill
+    threshold a call binds the policy's M at its own m) or the decode / prefill pair (False:
+    the capacity's M), by the codebook's decode (:data:`PAIR_PLAN_DECODES`).
+
+    Raises:
+        ValueError: for an unknown codebook.
+    """
+    return codebook_record(codebook).decode not in PAIR_PLAN_DECODES
+
 
 #: Pins the prefill route block M (one of ROUTE_BLOCK_SIZES); ``0`` disables the prefill plan.
 ENV_PREFILL_BLOCK_M = "KQUANT_W4A16_PREFILL_BLOCK_M"
@@ -482,7 +507,7 @@ def plan_routes(
     the plan's :attr:`~RoutePlan.error`), and with ``banded`` about each size between M=8 and
     the prefill M, ascending (see :attr:`RoutePlan.banded` for how the bands then bind).
     ``check`` is called at most once per size. ``banded`` is the default plan (a call binds
-    about the M its own m needs, not the capacity's); ``banded=False`` is the seed's plan pair.
+    about the M its own m needs, not the capacity's); ``banded=False`` is the decode / prefill pair.
     A pinned prefill M (``env.pinned_block_m``) binds every call above the threshold: no bands.
 
     Raises:

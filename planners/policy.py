@@ -1,8 +1,8 @@
 """Route-size policy: which route block M a launch uses, and how many route slots it pads to.
 
-This module owns the route-block arithmetic of BRIEF section 4 and nothing else:
+This module owns the route-block arithmetic (docs/formats.md, "Route policy") and nothing else:
 
-* :func:`select_route_block_size_m` -- the seed's policy. With ``avg = m * topk / E`` routed
+* :func:`select_route_block_size_m` -- the route policy. With ``avg = m * topk / E`` routed
   rows per expert, it picks the first block size ``s`` of :data:`ROUTE_BLOCK_SIZES` with
   ``avg < FILL_TARGET * s`` (blocks at least ~90 % full on average), else the widest.
 * :func:`route_block_sizes_for_capacity` -- every size the policy can pick for
@@ -47,7 +47,7 @@ def select_route_block_size_m(m: int, topk: int, num_experts: int) -> int:
     """Route block size M the policy picks for ``m`` tokens routed top-``topk`` over ``num_experts``.
 
     ``avg = m * topk / num_experts``; returns the first ``s`` in :data:`ROUTE_BLOCK_SIZES` with
-    ``avg < FILL_TARGET * s``, else the largest size (64). This is the seed's float formula
+    ``avg < FILL_TARGET * s``, else the largest size (64). This is the reference float formula
     verbatim; for every size in the table it agrees with the exact rational comparison
     ``10 * m * topk < 9 * s * num_experts`` (the products ``0.9 * s`` round to the same doubles
     as ``9 * s / 10``), which the tests check.
@@ -91,11 +91,11 @@ def padded_route_slots(n_routes: int, num_experts: int, block_m: int) -> int:
 
         packed = sum_e ceil(c_e / b) * b  <=  n + min(n, E) * (b - 1).
 
-    That is the BRIEF formula ``n + E * (b - 1)``, capped at ``n * b`` when ``n < E`` (for
+    That is the reference formula ``n + E * (b - 1)`` (docs/formats.md), capped at ``n * b`` when ``n < E`` (for
     ``n >= E`` the cap ``n * b >= n + E * (b - 1)`` never binds, so the two agree): a true
     upper bound for every routing. It is attained whenever every non-empty expert's count is
     ``1 (mod b)`` and ``min(n, E)`` experts are non-empty (e.g. ``n <= E`` routes on distinct
-    experts). We deliberately keep the seed's value rather than rounding it down to a
+    experts). We deliberately keep the reference value rather than rounding it down to a
     multiple of ``b`` (also a valid bound). Routes dropped by an expert map only lower the
     count; pass the local expert count as ``num_experts``.
 

@@ -57,8 +57,7 @@ def test_mixed_decode_bit_exact_through_gemm(axis, mma):
     from cutlass.cute.runtime import make_ptr
 
     from kquant_cute import trellis
-    from kquant_cute.kernels.trellis_gemm import TrellisGemm
-    from kquant_cute.kernels.trellis_wgmma import TrellisWgmma
+    from kquant_cute.kernels.gemms import GEMMS
     from kquant_cute.mixed import MixedMoEWeights
 
     rates, block_m, e, dim = (2, 3, 4), 16, 2, 256
@@ -78,7 +77,7 @@ def test_mixed_decode_bit_exact_through_gemm(axis, mma):
     blocks = torch.arange(e, dtype=torch.int32, device="cuda").repeat_interleave(dim // block_m)
     num = torch.tensor([rows], dtype=torch.int32, device="cuda")
     out = torch.full((rows, dim), float("nan"), device="cuda")
-    Gemm = TrellisWgmma if mma == "wgmma" else TrellisGemm
+    Gemm = GEMMS[mma]
     gemm = Gemm(block_m=block_m, k_dim=dim, n_dim=dim, bits=4, codebook="sqg_e4m3", topk=1,
                 a_rows_per_token=False, stages=4, bits_set=rates, rate_axis=axis)
     table = torch.cat([trellis.sqg_state_table(k, "cuda") for k in rates])
@@ -86,11 +85,10 @@ def test_mixed_decode_bit_exact_through_gemm(axis, mma):
     def P(t, dt):
         return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
-    groups = [P(blocks, cutlass.Int32), P(num, cutlass.Int32)]
-    if mma == "wgmma":
-        offsets = torch.tensor([0, dim, rows], dtype=torch.int32, device="cuda")
-        counts = torch.full((e,), dim, dtype=torch.int32, device="cuda")
-        groups += [P(offsets, cutlass.Int32), P(counts, cutlass.Int32)]
+    offsets = torch.tensor([0, dim, rows], dtype=torch.int32, device="cuda")
+    counts = torch.full((e,), dim, dtype=torch.int32, device="cuda")
+    groups = [P(blocks, cutlass.Int32), P(num, cutlass.Int32), P(offsets, cutlass.Int32),
+              P(counts, cutlass.Int32)]
     args = [P(a, cutlass.Float16), P(codes, cutlass.Int16), P(routes, cutlass.Int32), *groups,
             P(out, cutlass.Float32), cutlass.Int32(rows), cutlass.Int32(rows),
             cutlass.Int32(rows // block_m), P(table, cutlass.Uint8), cutlass.Int32(1),

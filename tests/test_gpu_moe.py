@@ -96,8 +96,7 @@ def _gemm_decodes_exactly(codebook, bits, mma, k_dim, n_dim, table, **gemm_args)
     from cutlass.cute.runtime import make_ptr
 
     from kquant_cute import trellis
-    from kquant_cute.kernels.trellis_gemm import TrellisGemm
-    from kquant_cute.kernels.trellis_wgmma import TrellisWgmma
+    from kquant_cute.kernels.gemms import GEMMS
 
     block_m = 16
     g = torch.Generator().manual_seed(bits * 7 + len(codebook))
@@ -108,17 +107,17 @@ def _gemm_decodes_exactly(codebook, bits, mma, k_dim, n_dim, table, **gemm_args)
     blocks = torch.zeros(k_dim // block_m, dtype=torch.int32, device="cuda")
     num = torch.tensor([k_dim], dtype=torch.int32, device="cuda")
     out = torch.full((k_dim, n_dim), float("nan"), device="cuda")
-    Gemm = TrellisWgmma if mma == "wgmma" else TrellisGemm
+    Gemm = GEMMS[mma]
     gemm = Gemm(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                 topk=1, a_rows_per_token=False, stages=4, **gemm_args)
 
     def P(t, dt):
         return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
-    groups = [P(blocks, cutlass.Int32), P(num, cutlass.Int32)]
-    if mma == "wgmma":  # per-expert padded offsets and counts (read by spans only)
-        offsets = torch.tensor([0, k_dim], dtype=torch.int32, device="cuda")
-        groups += [P(offsets, cutlass.Int32), P(num, cutlass.Int32)]
+    # Per-expert padded offsets and counts (every GEMM takes them; spans read them).
+    offsets = torch.tensor([0, k_dim], dtype=torch.int32, device="cuda")
+    groups = [P(blocks, cutlass.Int32), P(num, cutlass.Int32), P(offsets, cutlass.Int32),
+              P(num, cutlass.Int32)]
     # sm_count 1: a table codebook's grid is 1 x ctas_per_sm (1) CTA for the work items.
     args = [P(a, cutlass.Float16), P(codes, cutlass.Int16), P(routes, cutlass.Int32),
             *groups, P(out, cutlass.Float32),

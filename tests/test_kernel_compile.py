@@ -92,7 +92,7 @@ def test_static_rejections_name_the_reason():
 
     spec = DEFAULT_GEOMETRY.replace(block_m=8, arch="sm_90a")
     reasons = {
-        "hidden 3500 is not a multiple of 128 (one warp per 128-wide chunk)": dict(hidden=3500),
+        "hidden 3500 is not a positive multiple of 128 (the Hadamard block)": dict(hidden=3500),
         f"block_m 12 not in {ROUTE_BLOCK_SIZES}": dict(block_m=12),
         "bits 7 outside 2..6 for codebook 'mcg'": dict(bits=7),
         "bits 5 outside 2..4 for codebook 'sqg_e4m3'": dict(codebook="sqg_e4m3", bits=5),
@@ -152,7 +152,7 @@ def test_mma_kind_resolves_per_arch_and_wgmma_compiles_at_every_span(cache):
     spec120 = DEFAULT_GEOMETRY.replace(arch="sm_120a", block_m=64)
     assert (spec120.mma, spec120.span) == ("sync", 1)
     assert "needs sm_90a" in DEFAULT_GEOMETRY.replace(arch="sm_120a", mma="wgmma").check()
-    assert "needs mma 'wgmma'" in spec90.replace(mma="sync", span=2).check()
+    assert "mma 'sync' runs one route block per work item" in spec90.replace(mma="sync", span=2).check()
     assert "rows > 128" in spec90.replace(mma="wgmma", block_m=64, span=4).check()
     regs = {}
     for m, span in [(8, 1), (8, 4), (16, 4), (32, 1), (32, 4), (48, 2), (64, 1), (64, 2)]:
@@ -196,7 +196,7 @@ def test_sqg_e4m3_compiles_with_its_state_table(arch, cache):
         assert spec.table_decode == "direct"
     if arch == "sm_120a":
         reason = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=4, block_m=64,
-                                          arch=arch).check(limits.smem_per_block_optin)
+                                          arch=arch).check()
         assert "64 KiB sqg_e4m3 state table" in reason and "101,376" in reason
 
 
@@ -321,14 +321,13 @@ def test_table_decode_resolution_and_rejections():
     """`table_decode` "auto" resolves per layer: direct where the layer's direct tables fit
     beside the smallest GEMM, else T12; forced values are checked. The production QSRT
     profile (uniform K=2, coupled) keeps the direct table on sm_120 for M <= 32."""
-    lim120 = arch_limits("sm_120a").smem_per_block_optin
     prod = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, coupled=True,
                                     shared_hidden_vectors=True, arch="sm_120a")
     for m in (8, 16, 32):
         spec = prod.replace(block_m=m)
-        assert spec.table_decode == "direct" and spec.check(smem_limit=lim120) is None
-    assert "64 KiB sqg_e4m3 state table" in prod.replace(block_m=64).check(smem_limit=lim120)
-    assert prod.replace(table_decode="t12", block_m=64).check(smem_limit=lim120) is None
+        assert spec.table_decode == "direct" and spec.check() is None
+    assert "64 KiB sqg_e4m3 state table" in prod.replace(block_m=64).check()
+    assert prod.replace(table_decode="t12", block_m=64).check() is None
     mixed = DEFAULT_GEOMETRY.replace(block_m=8, arch="sm_120a", **MIXED)
     assert mixed.table_decode == "t12" and mixed.replace(block_m=64).table_decode == "t12"
     assert mixed.replace(arch="sm_90a").table_decode == "direct"
@@ -345,17 +344,15 @@ def test_mixed_rate_rejections_name_the_reason():
     blocks on sm_90) the geometry is rejected before compiling, naming them; bad rate sets
     say why."""
     base = DEFAULT_GEOMETRY.replace(block_m=8, **MIXED)
-    lim90 = arch_limits("sm_90a").smem_per_block_optin
-    lim120 = arch_limits("sm_120a").smem_per_block_optin
-    reason = base.replace(arch="sm_120a", table_decode="direct").check(smem_limit=lim120)
+    reason = base.replace(arch="sm_120a", table_decode="direct").check()
     assert "128 KiB of sqg_e4m3 state tables for K 3, 4" in reason and "101,376" in reason
     with pytest.raises(ValueError, match="decode specialization is not implementable: "
                                          "shared memory .* state tables"):
         plan_forward(base.replace(table_decode="direct"), capacity=64, arch="sm_120",
                      env=resolve_env({}))
     three = base.replace(bits_set=(2, 3, 4), arch="sm_90a")
-    assert three.replace(block_m=16).check(smem_limit=lim90) is None
-    assert "192 KiB of sqg_e4m3 state tables" in three.replace(block_m=64).check(smem_limit=lim90)
+    assert three.replace(block_m=16).check() is None
+    assert "192 KiB of sqg_e4m3 state tables" in three.replace(block_m=64).check()
     assert "need a table codebook" in base.replace(codebook="mcg").check()
     assert "must be the widest K" in base.replace(bits=3).check()
     assert "ascending" in base.replace(bits_set=(4, 3)).check()
@@ -410,15 +407,18 @@ def test_sub_kernels_answer_the_same_questions():
             k = sub.build()
             assert (k.threads, k.smem_bytes) == spec.kernel_launches()[sub.name]
         assert spec.dynamic_smem()[gemm] == smem
-    # A sub-kernel's own reason surfaces through the spec, with its numbers: 40,000 experts
-    # need 4 x (80,000 + 2,048) + 64 B to pack; a wgmma work item of 2 x 64 rows with 8
-    # stages needs 8 x 128 x 128 B of A ring and 8 x 4,096 B of B ring.
-    assert DEFAULT_GEOMETRY.replace(num_experts=40000).check(smem_limit=101376) == (
+    # A sub-kernel's own reason surfaces through the spec, with its numbers, against its own
+    # arch's limit (sm_120: 101,376 B per block; sm_90: 232,448 B): 40,000 experts need
+    # 4 x (80,000 + 2,048) + 64 B to pack; a wgmma work item of 2 x 64 rows with 8 stages
+    # needs 8 x 128 x 128 B of A ring and 8 x 4,096 B of B ring, after two 64 KiB tables.
+    assert DEFAULT_GEOMETRY.replace(num_experts=40000, arch="sm_120a").check() == (
         "route pack needs 328,256 B shared memory > 101,376 B per-block limit")
     assert DEFAULT_GEOMETRY.replace(activation="gelu").check() == (
         "activation 'gelu' not in ('silu', 'situ')")
-    wg = DEFAULT_GEOMETRY.replace(block_m=64, mma="wgmma", span=2, stages=8, arch="sm_90a")
-    assert wg.check(smem_limit=101376) == "shared memory 163,840 B > 101,376 B per-block limit"
+    wg = DEFAULT_GEOMETRY.replace(block_m=64, mma="wgmma", span=2, stages=8, arch="sm_90a",
+                                  codebook="sqg_e4m3", bits_set=(3, 4))
+    assert wg.check() == ("shared memory 294,912 B (incl. the 128 KiB of sqg_e4m3 state tables "
+                          "for K 3, 4) > 232,448 B per-block limit")
 
 
 def test_unmeasured_resources_are_reported_not_passed(tmp_path, monkeypatch, capsys):

@@ -18,6 +18,7 @@ from kquant_cute.planners import (
     arch_limits,
     candidate_bound,
     choose_prefill_block,
+    default_banded,
     max_route_blocks,
     padded_route_slots,
     plan_routes,
@@ -479,7 +480,7 @@ def test_default_plan_is_banded_except_for_table_codebooks(monkeypatch) -> None:
     monkeypatch.setattr(compiler, "plan_routes", fake_plan_routes)
     mcg = DEFAULT_GEOMETRY.replace(codebook="mcg", bits=4)
     sqg = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2)
-    assert mcg.default_banded() and not sqg.default_banded()
+    assert default_banded(mcg.codebook) and not default_banded(sqg.codebook)
     for spec, banded in ((mcg, None), (sqg, None), (sqg, True), (mcg, False)):
         with pytest.raises(Stop):
             compiler.plan_forward(spec, capacity=4096, arch="sm_90", env=PlanEnv(), banded=banded)

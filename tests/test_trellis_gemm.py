@@ -20,6 +20,7 @@ from kquant_cute.kernels import format as kfmt
 from kquant_cute.kernels.decode import (REPLICATE, REPLICATE_CODEBOOKS, _plan_cost, lane_window,
                                         replicated, state_windows)
 from kquant_cute.kernels.trellis_gemm import TrellisGemm, smem_bytes
+from kquant_cute.kernels.trellis_wgmma import TrellisWgmma
 
 MASK32 = 0xFFFFFFFF
 
@@ -128,13 +129,18 @@ def test_static_window_only_where_every_lane_shares_the_offset():
 
 def test_occupancy_target_follows_shared_memory():
     sm90 = 232448 + 1024
-    assert [TrellisGemm.occupancy_target(m, 4, 4, sm90) for m in (8, 16, 32, 48, 64)] == [8, 8, 6, 5, 4]
+    assert [TrellisGemm.resident_ctas(sm90, block_m=m, bits=4, stages=4)
+            for m in (8, 16, 32, 48, 64)] == [8, 8, 6, 5, 4]
     for m in (8, 32, 64):
-        ctas = TrellisGemm.occupancy_target(m, 4, 4, sm90)
+        ctas = TrellisGemm.resident_ctas(sm90, block_m=m, bits=4, stages=4)
         assert ctas * (smem_bytes(m, 4, 4) + 1024) <= sm90
     spec = MoESpec(num_experts=8, hidden=256, intermediate=128, topk=2, bits=4, codebook="mcg",
                    block_m=32, arch="sm_120a")
     assert spec.gemm_ctas_per_sm() == 1  # default: no register target
     assert spec.replace(occupancy=0).gemm_ctas_per_sm() == 2  # 100 KB per SM
-    assert spec.replace(occupancy=0, arch="sm_90a").gemm_ctas_per_sm() == 6
+    assert spec.replace(occupancy=0, arch="sm_90a", mma="sync").gemm_ctas_per_sm() == 6
+    # wgmma (the sm_90a default; span 2 at M=32): its own, larger shared memory per CTA.
+    wg = spec.replace(occupancy=0, arch="sm_90a")
+    assert wg.mma == "wgmma" and wg.gemm_ctas_per_sm() == sm90 // (
+        TrellisWgmma.smem_bytes_for(block_m=32, bits=4, stages=4, span=2) + 1024)
     assert "occupancy" in spec.replace(occupancy=9).check()

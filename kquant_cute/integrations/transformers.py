@@ -78,8 +78,8 @@ SUPPORTED_BLOCKS: tuple[str, ...] = (
 #: EXL3 names of an expert's projections, in kernel order.
 EXL3_PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 #: EXL3 codebook marker tensors (int32 scalars holding the codebook's multiplier; only the
-#: marker's presence selects the codebook, see TrellisLinear.from_exl3).
-_MARKERS = {"mcg": 0xCBAC1FED, "mul1": 0x83DCD12D}
+#: marker's presence selects the codebook, see TrellisLinear.from_exl3), by codebook name.
+_MARKERS = {name: c.exl3_marker for name, c in tc.CODEBOOK.items() if c.exl3_marker is not None}
 #: Gated activations the fused kernel implements, by transformers' ``hidden_act`` name.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu"}
 #: safetensors metadata ``format`` of files written by :func:`save_quantized`.
@@ -406,8 +406,8 @@ def load_quantized(path: str, device: torch.device | str = "cpu",
                     if base + "trellis" not in keys:
                         raise ValueError(f"{path}: missing tensor {base}trellis")
                     t = {k: f.get_tensor(base + k) for k in ("trellis", "suh", "svh", "bias",
-                                                            "mcg", "mul1") if base + k in keys}
-                    if codebook == "sqg_e4m3":
+                                                            *_MARKERS) if base + k in keys}
+                    if codebook is not None and tc.codebook_record(codebook).family == "qsrt":
                         lin = TrellisLinear.from_qsrt(t, codebook)
                     else:
                         lin = TrellisLinear.from_exl3(t)
