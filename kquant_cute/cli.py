@@ -21,8 +21,8 @@ geometry, invalid ``KQUANT_W4A16_PREFILL_BLOCK_M`` / ``KQUANT_W4A16_PREFILL_MIN_
 checked at startup by :mod:`kquant_cute.environment`). Rejected fallback candidates are fine.
 A valid ``KQUANT_COMPILE_FREEZE`` is ignored (this tool exists to compile); use ``--frozen``
 (exit 1 when a planned specialization is missing or corrupt: every one is listed). A
-geometry no kernel implements on a requested arch (e.g. a mixed-rate profile on sm_120) is
-a usage error, exit 2. Needs no GPU: every arch is cross-compiled; `--help` and usage
+geometry no kernel implements on a requested arch (e.g. more experts than the route pack's
+shared memory holds) is a usage error, exit 2. Needs no GPU: every arch is cross-compiled; `--help` and usage
 errors answer without importing torch or cutlass.
 """
 
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a QSRT layer profile instead of --bits / --codebook: "
                      "k2_coupled_h512_h128 (Kimi-K3's production profile: sqg_e4m3 K=2, coupled "
                      "transforms), k3x22_k4x2 or k3x22_k4x2_coupled_h512_h128 (mixed records at "
-                     "K=3 and K=4: two resident state tables, sm_90 / sm_100 only)")
+                     "K=3 and K=4: two resident state tables on sm_90 / sm_100, T12 decode on sm_120)")
     geo.add_argument("--per-expert-vectors", action="store_true",
                      help="per-expert hidden-side suh/svh (EXL3) instead of shared ones (Kimi-K3)")
     geo.add_argument("--expert-map", action="store_true", help="with a global->local expert map (EP)")
