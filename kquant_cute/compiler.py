@@ -199,6 +199,12 @@ def geometry_check(spec: MoESpec, cache: Optional[CompileCache] = None) -> Geome
     return _check(spec, cache)[0]
 
 
+def geometry_check_outcome(spec: MoESpec, cache: Optional[CompileCache] = None
+                           ) -> tuple[GeometryVerdict, Optional[CacheOutcome]]:
+    """`geometry_check` with the cache's outcome of its request (None: never asked)."""
+    return _check(spec, cache)
+
+
 @dataclass
 class BoundPlan:
     spec: MoESpec

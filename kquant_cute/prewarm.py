@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
 from .compile_cache import CompileCache, CompileCacheMiss, default_cache
-from .compiler import CacheOutcome, ForwardPlan, compile_plan, geometry_check
+from .compiler import CacheOutcome, ForwardPlan, compile_plan, geometry_check_outcome
 from .defaults import DEFAULT_CAPACITY, REFERENCE_LAYER
 from .kernels.moe import MoESpec
 from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, candidate_bound, default_banded,
@@ -236,24 +237,28 @@ def _record(arch: str, plan: ForwardPlan, block_m: int) -> PrewarmRecord:
 
 
 def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
-                   banded: Optional[bool], cache: CompileCache) -> Optional[ArchPrewarm]:
+                   banded: Optional[bool], cache: CompileCache,
+                   answers: dict[int, str]) -> Optional[ArchPrewarm]:
     """A frozen cache's check of every specialization the plan would bind; None when none
     is missing. The planner asks about each size as it would when compiling; a size the
     cache lacks (or holds corrupt) is recorded as failed and taken as the one the plan
     binds (a frozen cache never falls back to a narrower M), so the walk stops there and
-    every other planned size is still asked: the report lists all of them, not the first."""
+    every other planned size is still asked: the report lists all of them, not the first.
+    ``answers`` receives the cache's answer per M (``"disk"`` for an entry this call loaded),
+    so the records of the plan that follows report it rather than the memory hit it causes."""
     banded = default_banded(spec.codebook) if banded is None else banded
     misses: dict[int, CompileCacheMiss] = {}
 
     def check(block_m: int) -> GeometryVerdict:
         s = spec.replace(block_m=block_m)
-        if s.check() is not None:  # spec is on `arch`: its check uses that arch's limits
-            return geometry_check(s, cache)  # a static rejection asks no cache
         try:
-            return geometry_check(s, cache)
+            verdict, outcome = geometry_check_outcome(s, cache)  # a static rejection asks no cache
         except CompileCacheMiss as exc:
             misses[block_m] = exc
             return GeometryVerdict(block_m=block_m, ok=True)
+        if outcome is not None and outcome.result is not None:
+            answers.setdefault(block_m, outcome.result.status)
+        return verdict
 
     route = plan_routes(capacity, spec.topk, spec.num_experts, env, check, banded=banded)
     if not misses:
@@ -286,8 +291,9 @@ def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
 def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv, banded: Optional[bool],
                   cache: CompileCache, counter: _Counter) -> ArchPrewarm:
     spec = base.replace(arch=arch)
+    first_answers: dict[int, str] = {}
     if cache.is_frozen:  # report every missing specialization, then plan as usual
-        missing = _frozen_misses(spec, arch, capacity, env, banded, cache)
+        missing = _frozen_misses(spec, arch, capacity, env, banded, cache, first_answers)
         if missing is not None:
             return missing
     started: dict[int, int] = {}
@@ -315,8 +321,10 @@ def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv, banded:
     # in the order the planner asked: the prefill walk (widest first), then a banded plan's.
     sizes = [DECODE_BLOCK_M] + [c.block_m for c in plan.route.candidates
                                 if c.block_m != DECODE_BLOCK_M]
-    return ArchPrewarm(arch=arch, plan=plan, records=[_record(arch, plan, m) for m in sizes],
-                       error=plan.error)
+    records = [_record(arch, plan, m) for m in sizes]
+    records = [dataclasses.replace(r, cache=first_answers[r.block_m])
+               if r.cache == "memory" and r.block_m in first_answers else r for r in records]
+    return ArchPrewarm(arch=arch, plan=plan, records=records, error=plan.error)
 
 
 def _normalize_archs(archs: Iterable[Any]) -> list[str]:

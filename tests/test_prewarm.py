@@ -95,9 +95,14 @@ def test_a_frozen_miss_is_reported_not_replaced_by_a_narrower_block(fake_free_ca
     (arch,) = prewarm_plans(SMALL, archs=["sm_90"], capacity=512, env=PlanEnv(),
                             cache=fake_free_cache, banded=False)
     assert arch.plan is None
-    (rec,) = arch.records
-    assert (rec.block_m, rec.role, rec.status) == (64, "prefill", "failed")
-    assert rec.reason.startswith("CompileCacheMiss: not in the cache and compiling is off (")
+    # Every planned size is reported missing (the decode and the policy's prefill M), none
+    # replaced by a narrower block that the walk would have fallen back to.
+    assert [(r.block_m, r.role, r.status) for r in arch.records] == [
+        (8, "decode", "failed"), (64, "prefill", "failed")]
+    for rec in arch.records:
+        assert rec.reason == f"not in the cache (key {rec.key[:16]})"
+    assert arch.error == ("2 planned specializations (M=8, 64) are missing from the frozen "
+                          "cache or corrupt")
     assert arch.describe() == f"[sm_90a] no plan: {arch.error}"
 
 
