@@ -114,6 +114,17 @@ BITS_RANGE = {name: c.bits_range for name, c in CODEBOOK.items()}
 TABLE_CODEBOOKS = tuple(name for name, c in CODEBOOK.items() if c.table)
 
 
+def exl3_codebook(has_tensor) -> str:
+    """The codebook an EXL3 layer selects by its marker tensors: the first codebook (in
+    `CODEBOOK` order) whose name `has_tensor(name)` reports present, else the EXL3 codebook
+    without a marker (3inst). Only presence matters, never the marker's value."""
+    for c in CODEBOOK.values():
+        if c.exl3_marker is not None and has_tensor(c.name):
+            return c.name
+    (default,) = (c.name for c in CODEBOOK.values() if c.family == "exl3" and c.exl3_marker is None)
+    return default
+
+
 def codebook(name: str) -> Codebook:
     """The record of codebook `name`.
 

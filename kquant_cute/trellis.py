@@ -95,7 +95,7 @@ from .kernels.format import (  # noqa: E402,F401
     MUL1_KBIAS_BITS, SQG_MUL, SQG_ADD, SQG_XORSHIFT, T12_SIZE, T12_SCALE, T12_SHA256,
     COUPLED_RESIDUAL_BLOCK,
 )
-from .kernels.format import codebook as codebook_record  # noqa: E402
+from .kernels.format import codebook as codebook_record, exl3_codebook  # noqa: E402,F401
 
 _MASK32 = 0xFFFFFFFF
 _MASK16 = 0xFFFF

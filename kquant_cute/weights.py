@@ -189,16 +189,11 @@ class TrellisLinear:
     ) -> "TrellisLinear":
         """Build from EXL3 checkpoint tensors ``{prefix}trellis``, ``suh``, ``svh``, ``bias``.
 
-        The codebook follows the marker tensors: ``{prefix}mcg`` present -> "mcg", else
-        ``{prefix}mul1`` -> "mul1", else "3inst" (only presence matters).
+        The codebook follows the marker tensors (``kernels.format.exl3_codebook``: a
+        ``{prefix}<codebook>`` tensor selects that codebook; none selects 3inst; only
+        presence matters).
         """
-        if prefix + "mcg" in tensors:
-            codebook = "mcg"
-        elif prefix + "mul1" in tensors:
-            codebook = "mul1"
-        else:
-            codebook = "3inst"
-        return cls._load(tensors, prefix, codebook)
+        return cls._load(tensors, prefix, tc.exl3_codebook(lambda name: prefix + name in tensors))
 
     @classmethod
     def from_qsrt(

@@ -134,10 +134,9 @@ def test_arch_rules_follow_the_record():
 
 def test_no_codebook_name_is_tested_outside_its_owners():
     """A comparison with a codebook name (== / in) lives only in format.py, the decode
-    (kernels/decode.py, the torch codec kquant_cute/trellis.py) and the file readers, where
-    the name is a tensor's (EXL3 markers: weights.py; QSRT: qsrt*)."""
-    allowed = {"kernels/format.py", "kernels/decode.py", "kquant_cute/trellis.py",
-               "kquant_cute/weights.py"}
+    (kernels/decode.py, the torch codec kquant_cute/trellis.py) and the QSRT readers
+    (qsrt*), where the name is a file's; EXL3 markers go through format.exl3_codebook."""
+    allowed = {"kernels/format.py", "kernels/decode.py", "kquant_cute/trellis.py"}
     bad = []
     for sub in ("kernels", "planners", "kquant_cute"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, sub)):
@@ -181,3 +180,12 @@ def test_changing_a_planner_constant_keeps_every_kernel_key(monkeypatch, tmp_pat
     assert not default_banded("mcg")  # the policy did change ...
     assert keys() == before  # ... and no specialization's key did
     assert not any(os.path.dirname(f).endswith("planners") for f in compiler.source_files())
+
+
+def test_exl3_markers_select_codebooks_by_the_record():
+    """Marker tensors pick the codebook as EXL3 files do: mcg before mul1, none -> 3inst."""
+    pick = fmt.exl3_codebook
+    assert pick(lambda name: False) == "3inst"
+    assert pick(lambda name: name == "mul1") == "mul1"
+    assert pick(lambda name: name in ("mcg", "mul1")) == "mcg"
+    assert pick(lambda name: name == "sqg_e4m3") == "3inst"  # QSRT names are no EXL3 markers
