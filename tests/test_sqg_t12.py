@@ -88,3 +88,25 @@ def test_lop3_truth_table_convention():
 def test_bits_outside_range_rejected():
     with pytest.raises(ValueError, match="bits 5 outside 2..4"):
         sqg_t12.t12_program(5)
+
+
+@pytest.mark.parametrize("rates", [(2,), (4,), (3, 4), (2, 3, 4)])
+def test_kernel_tables_hold_each_direct_table_then_t12_where_the_gemms_stage_them(rates):
+    """The table argument of direct / T12 layers: every K's direct table from offset 0 (what
+    a direct GEMM stages), then T12 at `decode.table_offset(..., "t12")` (what a T12 GEMM
+    stages, 4 KiB)."""
+    from kquant_cute.kernels import decode
+
+    table = trellis.sqg_kernel_tables(rates).numpy()
+    bits_set = rates if len(rates) > 1 else ()
+    off = decode.table_offset("sqg_e4m3", bits_set, "t12")
+    assert decode.table_offset("sqg_e4m3", bits_set, "direct") == 0
+    assert decode.table_bytes("sqg_e4m3", bits_set) == off == 65536 * len(rates)
+    assert decode.table_bytes("sqg_e4m3", bits_set, table_decode="t12") == 4096
+    assert table.shape == (off + 4096,)
+    np.testing.assert_array_equal(table[off:], trellis.t12_table().numpy())
+    for i, k in enumerate(rates):
+        np.testing.assert_array_equal(table[65536 * i: 65536 * (i + 1)],
+                                      trellis.sqg_state_table(k).numpy())
+    with pytest.raises(ValueError, match="at least one K"):
+        trellis.sqg_kernel_tables(())
