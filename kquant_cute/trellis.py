@@ -227,6 +227,19 @@ def state_to_value(states: torch.Tensor, codebook: str, bits: int) -> torch.Tens
     raise ValueError(f"codebook {codebook!r} has no reference decode")
 
 
+def _cached(key: tuple, dev: torch.device, build_on_cpu) -> torch.Tensor:
+    """The table under ``key + (device,)``: built once on the CPU by ``build_on_cpu()``,
+    copied to other devices from the CPU table; shared by every caller."""
+    full = (*key, _key(dev))
+    table = _LUT_CACHE.get(full)
+    if table is None:
+        table = (_cached(key, torch.device("cpu"), build_on_cpu).to(dev) if dev.type != "cpu"
+                 else build_on_cpu())
+        with _lock:
+            table = _LUT_CACHE.setdefault(full, table)
+    return table
+
+
 def codebook_lut(
     codebook: str, bits: int, device: Optional[torch.device | str] = None
 ) -> torch.Tensor:
@@ -237,16 +250,8 @@ def codebook_lut(
     check_codebook(codebook, bits)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     # Only a table codebook's values depend on K; share one table across K for the others.
-    key = (codebook, bits if CODEBOOK[codebook].table else 0, _key(dev))
-    lut = _LUT_CACHE.get(key)
-    if lut is None:
-        if dev.type != "cpu":
-            lut = codebook_lut(codebook, bits).to(dev)
-        else:
-            lut = state_to_value(torch.arange(1 << STATE_BITS), codebook, bits)
-        with _lock:
-            lut = _LUT_CACHE.setdefault(key, lut)
-    return lut
+    return _cached((codebook, bits if CODEBOOK[codebook].table else 0), dev,
+                   lambda: state_to_value(torch.arange(1 << STATE_BITS), codebook, bits))
 
 
 def sqg_state_table(bits: int, device: Optional[torch.device | str] = None) -> torch.Tensor:
@@ -255,16 +260,8 @@ def sqg_state_table(bits: int, device: Optional[torch.device | str] = None) -> t
     shared memory. Cached per K / device; the tensor is shared, do not modify it."""
     check_codebook("sqg_e4m3", bits)
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    key = ("sqg_e4m3_bytes", bits, _key(dev))
-    table = _LUT_CACHE.get(key)
-    if table is None:
-        if dev.type != "cpu":
-            table = sqg_state_table(bits).to(dev)
-        else:
-            table = _sqg_byte(torch.arange(1 << STATE_BITS), bits).to(torch.uint8)
-        with _lock:
-            table = _LUT_CACHE.setdefault(key, table)
-    return table
+    return _cached(("sqg_e4m3_bytes", bits), dev,
+                   lambda: _sqg_byte(torch.arange(1 << STATE_BITS), bits).to(torch.uint8))
 
 
 def sqg_pair_table(bits: int, device: Optional[torch.device | str] = None) -> torch.Tensor:
@@ -279,22 +276,17 @@ def sqg_pair_table(bits: int, device: Optional[torch.device | str] = None) -> to
     GEMM decode: an 8-byte entry, one byte permute). Cached per K / device; shared."""
     check_codebook("sqg_e4m3", bits)
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    key = ("sqg_e4m3_pairs", bits, _key(dev))
-    table = _LUT_CACHE.get(key)
-    if table is None:
-        if dev.type != "cpu":
-            table = sqg_pair_table(bits).to(dev)
-        else:
-            direct = sqg_state_table(bits)
-            w = STATE_BITS - bits
-            s = torch.arange(1 << w).unsqueeze(1)
-            c = torch.arange(1 << bits).unsqueeze(0)
-            earlier = direct[(c << w) | s]  # [2^w, 2^K], candidate a = c
-            later = direct[(s << bits) | c]  # candidate b = c
-            table = torch.cat([earlier, later], dim=1).reshape(-1).contiguous()
-        with _lock:
-            table = _LUT_CACHE.setdefault(key, table)
-    return table
+
+    def build() -> torch.Tensor:
+        direct = sqg_state_table(bits)
+        w = STATE_BITS - bits
+        s = torch.arange(1 << w).unsqueeze(1)
+        c = torch.arange(1 << bits).unsqueeze(0)
+        earlier = direct[(c << w) | s]  # [2^w, 2^K], candidate a = c
+        later = direct[(s << bits) | c]  # candidate b = c
+        return torch.cat([earlier, later], dim=1).reshape(-1).contiguous()
+
+    return _cached(("sqg_e4m3_pairs", bits), dev, build)
 
 
 def sqg_kernel_tables(rates: tuple, device: Optional[torch.device | str] = None) -> torch.Tensor:
