@@ -116,8 +116,7 @@ def test_t12_decode_every_state_through_gemm(mma):
     from cutlass.cute.runtime import make_ptr
 
     from kquant_cute import trellis
-    from kquant_cute.kernels.trellis_gemm import TrellisGemm
-    from kquant_cute.kernels.trellis_wgmma import TrellisWgmma
+    from kquant_cute.kernels.gemms import GEMMS
     from kquant_cute.mixed import MixedMoEWeights
 
     rates, block_m, h = (2, 3, 4), 16, 1024
@@ -138,7 +137,7 @@ def test_t12_decode_every_state_through_gemm(mma):
     blocks = torch.zeros(h // block_m, dtype=torch.int32, device="cuda")
     num = torch.tensor([h], dtype=torch.int32, device="cuda")
     out = torch.full((h, i), float("nan"), device="cuda")
-    Gemm = TrellisWgmma if mma == "wgmma" else TrellisGemm
+    Gemm = GEMMS[mma]
     gemm = Gemm(block_m=block_m, k_dim=h, n_dim=i, bits=4, codebook="sqg_e4m3", topk=1,
                 a_rows_per_token=False, stages=4, bits_set=rates, rate_axis="n",
                 table_decode="t12", ctas_per_sm=2)
@@ -148,10 +147,10 @@ def test_t12_decode_every_state_through_gemm(mma):
     def P(t, dt):
         return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
-    groups = [P(blocks, cutlass.Int32), P(num, cutlass.Int32)]
-    if mma == "wgmma":
-        offsets = torch.tensor([0, h], dtype=torch.int32, device="cuda")
-        groups += [P(offsets, cutlass.Int32), P(num, cutlass.Int32)]
+    # Per-expert padded offsets and counts: every GEMM of the registry takes them.
+    offsets = torch.tensor([0, h], dtype=torch.int32, device="cuda")
+    groups = [P(blocks, cutlass.Int32), P(num, cutlass.Int32), P(offsets, cutlass.Int32),
+              P(num, cutlass.Int32)]
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     args = [P(a, cutlass.Float16), P(w.gate_trellis, cutlass.Int16), P(routes, cutlass.Int32),
             *groups, P(out, cutlass.Float32), cutlass.Int32(h), cutlass.Int32(h),
