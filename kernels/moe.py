@@ -46,7 +46,7 @@ from cutlass import Int32
 
 
 from . import format as fmt
-from .arch import arch_limits, known_archs, mma_archs
+from .arch import arch_limits, known_archs, mma_archs, normalize_arch
 from .bring import (DEFAULT_STAGES, K_STEPS_PER_STAGE, MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA,
                     TILE_N, check_rates)
 from .decode import check_table_decode
@@ -157,6 +157,14 @@ class MoESpec:
     requested: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # `arch` holds the DSL target it compiles for (any spelling the arch table accepts:
+        # "sm_90" -> "sm_90a"), so the MMA kind chosen and checked from the arch table is
+        # one ptxas accepts for the target given to it. An unknown arch stays as given for
+        # `check` to report.
+        try:
+            object.__setattr__(self, "arch", normalize_arch(self.arch))
+        except (ValueError, TypeError):
+            pass
         object.__setattr__(self, "requested", (self.mma, self.span, self.table_decode))
         mma, span = _resolve(self.mma, self.span, self.block_m, self.arch)
         object.__setattr__(self, "mma", mma)

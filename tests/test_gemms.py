@@ -50,6 +50,15 @@ def test_each_kind_has_one_spelling_shared_with_the_arch_table():
                                                                  arch=lim.dsl_target).mma
     assert auto_mma("sm_75") == first  # unknown: the spec's check names the arch
     assert "not in the arch table" in SMALL.replace(arch="sm_75").check()
+    # Any spelling the arch table accepts becomes the DSL target the spec compiles for, so
+    # the kind "auto" picks from the table is one ptxas accepts for that target ("sm_90"
+    # resolved to wgmma and compiled for --gpu-arch sm_90 was rejected by ptxas).
+    for name in known_archs():
+        lim = arch_limits(name)
+        for spelling in (name, lim.dsl_target, (lim.sm // 10, lim.sm % 10)):
+            spec = SMALL.replace(mma="auto", arch=spelling)
+            assert spec.arch == lim.dsl_target and spec.mma in lim.mma_kinds, (spelling, spec)
+            assert spec == SMALL.replace(mma="auto", arch=lim.dsl_target)
 
 
 def test_every_gemm_answers_the_same_static_questions_with_one_signature():
