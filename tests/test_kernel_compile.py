@@ -123,8 +123,10 @@ def test_static_rejections_name_the_reason():
 @needs_cuobjdump
 def test_banded_plan_binds_the_policy_choice_per_call(cache):
     """The default (banded) plan: above the threshold a call binds the policy's M at its own
-    m (the pair plan, banded=False, binds the capacity's M=64 for every m > 256)."""
-    base = DEFAULT_GEOMETRY.replace(hidden=256, intermediate=256, arch="sm_90a")
+    m (the pair plan, banded=False, binds the capacity's M=64 for every m > 256). The
+    policy reads m, topk and E only, so the default geometry's specializations (built by
+    test_default_geometry_compiles_for_every_block in this module's cache) serve."""
+    base = DEFAULT_GEOMETRY.replace(arch="sm_90a")
     env = resolve_env({})
     pair = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache, banded=False)
     banded = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache)
@@ -141,9 +143,11 @@ def test_banded_plan_binds_the_policy_choice_per_call(cache):
 def test_mma_kind_resolves_per_arch_and_wgmma_compiles_at_every_span(cache):
     """"auto" is wgmma (spans of 2 blocks at M=32) on sm_90a and mma.sync elsewhere; an
     explicit wgmma elsewhere is rejected. The wgmma GEMM compiles with no spills at every
-    block size and span, with two warpgroups once a work item holds more than 64 rows, and
-    at M=64 without spans it needs fewer registers than mma.sync (no 16-row padding of the
-    accumulators, which live on the weight side)."""
+    span (1, 2, 4; test_default_geometry_compiles_for_every_block covers every block size
+    at its default span), with one warpgroup up to 64 rows per work item and two above
+    (M=32 x 4: the widest item a span allows), and at M=64 without spans it needs fewer
+    registers than mma.sync (no 16-row padding of the accumulators, which live on the
+    weight side)."""
     from kquant_cute.kernels.trellis_wgmma import smem_bytes as wgmma_smem
 
     spec90 = DEFAULT_GEOMETRY.replace(arch="sm_90a")
@@ -155,15 +159,23 @@ def test_mma_kind_resolves_per_arch_and_wgmma_compiles_at_every_span(cache):
     assert "mma 'sync' runs one route block per work item" in spec90.replace(mma="sync", span=2).check()
     assert "rows > 128" in spec90.replace(mma="wgmma", block_m=64, span=4).check()
     regs = {}
-    for m, span in [(8, 1), (8, 4), (16, 4), (32, 1), (32, 4), (48, 2), (64, 1), (64, 2)]:
+    # Every (M, span) below is checked statically (threads, shared memory); the compiled
+    # ones are the default spans (8, 1), (32, 2), (64, 1) (shared with the default-geometry
+    # test) and span 4 with one warpgroup (8, 4) and with two at the widest item (32, 4).
+    compiled = {(8, 1), (8, 4), (32, 2), (32, 4), (64, 1)}
+    for m, span in [(8, 1), (8, 4), (16, 4), (32, 1), (32, 2), (32, 4), (48, 2), (64, 1),
+                    (64, 2)]:
         spec = spec90.replace(block_m=m, mma="wgmma", span=span)
+        assert spec.check() is None, (m, span)
+        threads, smem = spec.kernel_launches()["TrellisWgmma"]
+        assert threads == (256 if m * span > 64 else 128) and smem == wgmma_smem(m, 4, 4, span)
+        if (m, span) not in compiled:
+            continue
         verdict = geometry_check(spec, cache)
         assert verdict.ok, (m, span, verdict.reason)
         gemm = {k["kernel"]: k for k in _resources(spec, cache)["kernels"]}["TrellisWgmma"]
         assert gemm["local"] == 0 and gemm["stack"] == 0
         assert gemm["shared"] >= wgmma_smem(m, spec.bits, spec.stages, span)
-        threads, smem = spec.kernel_launches()["TrellisWgmma"]
-        assert threads == (256 if m * span > 64 else 128) and smem == wgmma_smem(m, 4, 4, span)
         regs[m, span] = gemm["registers"]
     sync64 = {k["kernel"]: k for k in _resources(spec90.replace(block_m=64, mma="sync"),
                                                   cache)["kernels"]}["TrellisGemm"]["registers"]
@@ -252,30 +264,40 @@ def test_mixed_rates_compile_on_sm90_with_a_table_per_rate(cache):
     one table. wgmma: two one-warpgroup workers with a ring each (256 threads; at M=64 and
     M=32 x 2 that is the whole 227 KB); three rates at M=8 leave room for one worker only,
     which runs each work item on two warpgroups. The plan pair for 4,096 tokens keeps
-    M=8 / M=64."""
+    M=8 / M=64. Every case's launch shape is checked; the compiled (measured) ones are the
+    plan pair's wgmma M=8 / M=64, mma.sync at M=64 and three rates at M=8: M=32 x 2 has
+    M=64's shared memory (checked), mma.sync M=8 less than mma.sync M=64."""
     from kquant_cute.kernels.bring import b_stage_bytes
     from kquant_cute.kernels.decode import TABLE_BYTES
 
     limits = arch_limits("sm_90a")
-    cases = [("wgmma", "TrellisWgmma", m, (3, 4), 2) for m in (8, 32, 64)]
-    cases += [("sync", "TrellisGemm", m, (3, 4), 1) for m in (8, 64)]
-    cases += [("wgmma", "TrellisWgmma", 8, (2, 3, 4), 1)]
-    for mma, name, m, rates, workers in cases:
+    # (mma, GEMM, M, rates, workers, compiled)
+    cases = [("wgmma", "TrellisWgmma", m, (3, 4), 2, m != 32) for m in (8, 32, 64)]
+    cases += [("sync", "TrellisGemm", m, (3, 4), 1, m == 64) for m in (8, 64)]
+    cases += [("wgmma", "TrellisWgmma", 8, (2, 3, 4), 1, True)]
+    dynamic_at = {}
+    for mma, name, m, rates, workers, compiled in cases:
         spec = DEFAULT_GEOMETRY.replace(block_m=m, arch="sm_90a", mma=mma,
                                         **dict(MIXED, bits_set=rates))
-        verdict = geometry_check(spec, cache)
-        assert verdict.ok, (mma, m, verdict.reason)
-        assert verdict.spills == 0 and verdict.registers <= limits.regs_per_thread_max
+        assert spec.check() is None, (mma, m)
         assert spec.gemm_workers() == workers
         threads, dynamic = spec.kernel_launches()[name]
+        dynamic_at[mma, m, rates] = dynamic
         assert threads == (256 if mma == "wgmma" else 128)
         assert dynamic >= len(rates) * TABLE_BYTES + workers * spec.stages * b_stage_bytes(4)
         if mma == "sync":  # the uniform K=4 layer's bytes plus one table
             assert dynamic == spec.replace(bits_set=()).dynamic_smem()[name] + TABLE_BYTES
+        assert spec.gemm_resident_ctas() == 1
+        if not compiled:
+            continue
+        verdict = geometry_check(spec, cache)
+        assert verdict.ok, (mma, m, verdict.reason)
+        assert verdict.spills == 0 and verdict.registers <= limits.regs_per_thread_max
         gemms = [k for k in _resources(spec, cache)["kernels"] if k["kernel"] == name]
         assert len(gemms) == 3
         assert all(dynamic <= g["shared"] <= limits.smem_per_block_optin for g in gemms)
-        assert spec.gemm_resident_ctas() == 1
+    assert dynamic_at["wgmma", 32, (3, 4)] == dynamic_at["wgmma", 64, (3, 4)]
+    assert dynamic_at["sync", 8, (3, 4)] < dynamic_at["sync", 64, (3, 4)]
     base = DEFAULT_GEOMETRY.replace(**MIXED)
     plan = plan_forward(base, capacity=4096, arch="sm_90", env=resolve_env({}), cache=cache)
     assert (plan.decode.spec.block_m, plan.prefill.spec.block_m) == (8, 64)
