@@ -42,7 +42,7 @@ SITU_LBETA = 25.0
 
 def fwht128(v, lane):
     """In-place 128-point Walsh-Hadamard transform of a warp's chunk (v: 4 fp32 per lane),
-    normalised by 1/sqrt(128) (the Sylvester H of BRIEF section 2)."""
+    normalised by 1/sqrt(128) (the Sylvester H of docs/formats.md, "Hadamard rotations")."""
     a0, a1, a2, a3 = v[0], v[1], v[2], v[3]
     b0, b1, b2, b3 = a0 + a1, a0 - a1, a2 + a3, a2 - a3
     a0, a1, a2, a3 = b0 + b2, b1 + b3, b0 - b2, b1 - b3

@@ -387,7 +387,7 @@ def test_banded_plan_hand_computed():
     plan = plan_routes(3000, 8, 64, PlanEnv(), RecordingCheck({48: REGS_48}))
     assert [(b.lo, b.hi, b.block_m) for b in plan.bands] == [(1, 256, 8), (257, 345, 32),
                                                              (346, 3000, 64)]
-    # The seed's pair: 64 from the threshold up.
+    # The decode/prefill pair plan: 64 from the threshold up.
     plan = plan_routes(3000, 8, 64, PlanEnv(), accept_all, banded=False)
     assert [(b.lo, b.hi, b.block_m) for b in plan.bands] == [(1, 256, 8), (257, 3000, 64)]
     assert plan.block_sizes == (8, 64)
