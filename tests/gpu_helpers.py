@@ -12,8 +12,10 @@ def check_graph_replay(layer, inputs, later_inputs, what: str = ""):
     Binds `inputs` (x, topk_ids, topk_weights) to `layer`, runs once eagerly (loads the
     object, outside capture), captures one forward, then for each (x, ids, w) of
     `later_inputs` copies it into the bound tensors, poisons the output, replays and
-    compares with `layer(...)` of the same tensors. Returns the graph and the last eager
-    output (a copy), for checks that replay it again later."""
+    compares with `layer(...)` of the same tensors. Returns the graph, the last eager
+    output (a copy) and the bound input tensors, for checks that replay the graph again
+    later: the graph reads those tensors' memory, so the caller must keep them alive while
+    it replays (freed, the allocator hands their blocks to the next tensors made)."""
     x, ids, w = inputs
     m = x.shape[0]
     bound = layer.bind(x, ids, w)
@@ -34,4 +36,4 @@ def check_graph_replay(layer, inputs, later_inputs, what: str = ""):
         eager = layer(x, ids, w).clone()
         torch.cuda.synchronize()
         assert torch.equal(replayed, eager), f"{what} input {i}: replay != eager"
-    return graph, eager
+    return graph, eager, (x, ids, w)

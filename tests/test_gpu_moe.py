@@ -259,7 +259,7 @@ def test_cuda_graph_decode_replay_bitwise_equal_to_eager():
                             seed=4, device="cuda")
     layer = _layer(wts, topk=TOPK_SMALL, capacity=512)
     for m in (1, 2, 4, 8):
-        graph, eager = check_graph_replay(
+        graph, eager, bound_inputs = check_graph_replay(
             layer, _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=100 + m),
             [_inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=200 + 10 * m + trial)
              for trial in range(3)], f"m={m}")
@@ -267,9 +267,10 @@ def test_cuda_graph_decode_replay_bitwise_equal_to_eager():
         xl, idsl, wl = _inputs(300, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=7)
         _run(layer, xl, idsl, wl)
         layer.output.fill_(float("nan"))
-        graph.replay()
+        graph.replay()  # reads bound_inputs, kept alive until here
         torch.cuda.synchronize()
         assert torch.equal(layer.output[:m], eager)
+        del bound_inputs
 
 
 @pytest.mark.parametrize("mma", ["auto", "sync", "wgmma", "wgmma-span"])
