@@ -235,13 +235,23 @@ def test_fuzz_against_fp64_reference():
             worst = max(worst, err / tol)
             if err >= tol:
                 failures.append(f"{where}: rel err {err:.3e} >= {tol}")
-    summary = (f"fuzz seed {SEED}: {cases} cases over {len(gs)} geometries, "
+    kinds = {}
+    for g in gs:
+        s = g.spec
+        kind = (s.codebook + (" coupled" if s.coupled else "") + (" mixed" if s.bits_set else "")
+                + (" t12" if s.requested[2] == "t12" else ""))
+        kinds[kind] = kinds.get(kind, 0) + 1
+    summary = (f"fuzz seed {SEED}: {cases} cases over {len(gs)} geometries "
+               f"{dict(sorted(kinds.items()))}, "
                f"{len(specs)} compiled specializations; worst err/tol {worst:.3f}; "
                f"{across_m} cases bitwise against M=8; "
                f"cases by (routing, M): {dict(sorted(counts.items()))}")
     print(summary)
     assert not failures, summary + "\n" + "\n".join(failures[:20])
-    assert cases >= 200 and len(gs) >= 24
+    # Every geometry ran its share (KQUANT_FUZZ_CASES sets the total), and the draw covered
+    # the layer kinds the geometries promise.
+    assert cases >= CASES and len(gs) >= 24
+    assert all(any(k in kind for kind in kinds) for k in ("coupled", "mixed", "t12", "mcg")), kinds
 
 
 if __name__ == "__main__":
