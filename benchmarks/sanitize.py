@@ -3,10 +3,11 @@ fused forward, both GEMM paths, small shapes, cold and warm compile cache.
 
     python3 benchmarks/sanitize.py --out DIR [--jobs 4] [--tools memcheck,racecheck,...]
 
-Runs `python3 benchmarks/sanitize.py --workload CACHE` under each tool: seven small layers
+Runs `python3 benchmarks/sanitize.py --workload CACHE` under each tool: nine small layers
 (E=16, H=512, I=256, top-4) whose plans cover TrellisWgmma (M=8; M=32 x 2 spans; M=64 x 2,
-two warpgroups; mcg K=3 and 4; the persistent sqg_e4m3 table GEMM at K=2, coupled; the
-mixed-rate K=3/4 GEMM), TrellisGemm (mma.sync, M=8 and M=64, mcg K=3; sqg_e4m3 K=4 with
+two warpgroups; mcg K=3 and 4; the persistent sqg_e4m3 pair-table GEMM at K=2, coupled,
+with 4 workers at M=8, 2 at M=64 and 3 at M=32 x 1; the mixed-rate K=3/4 GEMM, with the
+direct tables and with T12 + bijection), TrellisGemm (mma.sync, M=8 and M=64, mcg K=3; sqg_e4m3 K=4 with
 its smem state table; mixed-rate K=3/4 at M=8/32),
 RoutePack, RotateInput / MidActivation / CombineOutput (shared and per-expert vectors,
 with and without an expert map, -1 ids, the QSRT coupled variants), each at a decode and
@@ -60,7 +61,13 @@ def workload(cache_dir: str) -> None:
                  dict(mma="wgmma", bits=3, pin=64, span=2, shared=False, emap=True),
                  dict(mma="wgmma", bits=2, pin=64, shared=True, emap=False,
                       codebook="sqg_e4m3", coupled=True),
-                 dict(mma="wgmma", bits=4, pin=64, shared=True, emap=False, mixed=True)]
+                 dict(mma="wgmma", bits=4, pin=64, shared=True, emap=False, mixed=True),
+                 # three pair-table workers at M=32 x 1 (four at M=8), with an expert map
+                 dict(mma="wgmma", bits=2, pin=32, span=1, shared=True, emap=True,
+                      codebook="sqg_e4m3", coupled=True),
+                 # mixed rates through T12 + bijection (sm_120's table decode)
+                 dict(mma="wgmma", bits=4, pin=32, shared=True, emap=False, mixed=True,
+                      table_decode="t12")]
     only = os.environ.get("KQ_SANITIZE_ONLY")  # one config (index), for a quick look
     if only:
         cfgs = [cfgs[int(only)]]
@@ -76,7 +83,7 @@ def workload(cache_dir: str) -> None:
                                     shared_hidden_vectors=c["shared"],
                                     coupled=c.get("coupled", False), seed=i, device="cuda")
         n_global = 2 * E if c["emap"] else None
-        knobs = {"span": c["span"]} if "span" in c else {}
+        knobs = {k: c[k] for k in ("span", "table_decode") if k in c}
         layer = MoELayer(wts, topk=4, capacity=256, mma=c["mma"], num_global_experts=n_global,
                          cache=cache, environ={"KQUANT_W4A16_PREFILL_BLOCK_M": str(c["pin"]),
                                                "KQUANT_W4A16_PREFILL_MIN_M": "8"}, **knobs)

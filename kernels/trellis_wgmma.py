@@ -34,19 +34,22 @@ the rings, each CTA stages it once and loops over work items (persistent grid). 
 ring is `kernels/bring.py`'s `BRing` and the decode `kernels/decode.py`'s, both shared
 with `TrellisGemm`. With `pair_table` (uniform K=2, `MoESpec.pair_table`) the table is
 the 128 KiB pair table (`decode.decode_lane_tile_pair`: one 8-byte load per two weights
-instead of two byte loads), which also leaves one CTA per SM: the CTA runs two workers as
+instead of two byte loads), which also leaves one CTA per SM: the CTA runs workers as
 below.
 Mixed rates (`bits_set`, see `TrellisGemm`): per stage a branch on the stage's K (uniform
 over the work item) picks the K-specialized copy and k steps; each branch waits for its own
 wgmmas before the branches merge (a wgmma in flight across a branch would make ptxas
 serialize the pipeline), which is where the uniform loop waits anyway (the drain at the
 next stage's top). One state table per rate (128 KiB for {3, 4}) leaves shared memory for
-one CTA per SM. So a mixed CTA runs `workers` = 2 independent one-warpgroup workers that
-share the tables: each has its own rings and epilogue tile, its own named barrier, and
-loops over every second work item of the CTA, which is what two uniform CTAs on the SM do
-(one's prologue and epilogue overlap the other's main loop). Where two workers' rings do
-not fit beside the tables (three rates at M=8, spans over 64 rows) one worker runs each
-work item on two warpgroups (64 columns each).
+one CTA per SM.
+Workers: where the tables leave one CTA per SM (the pair table, mixed rates), the CTA runs
+`workers` = 2..4 independent one-warpgroup workers that share the tables, as many as fit
+(`workers_for`): each has its own rings and epilogue tile, its own named barrier, and its
+own share of the CTA's work items, which is what several uniform CTAs on the SM would do
+(one's prologue, epilogue and stage-top drain overlap the others' decode, and more
+warpgroups keep more table loads queued on the banks). Where two workers' rings do not fit
+beside the tables (three rates at M=8, spans over 64 rows) one worker runs each work item
+on two warpgroups (64 columns each).
 """
 
 from __future__ import annotations
@@ -112,7 +115,10 @@ def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1,
             + workers * (a_region + stages * b_stage_bytes(bits)))
 
 
-WORKERS = (1, 2)
+WORKERS = (1, 2, 3, 4)
+#: T12 layers keep two workers: the register cap of more threads per CTA makes ptxas
+#: spill in the bijection.
+T12_MAX_WORKERS = 2
 
 
 def check_workers(block_m: int, span: int, codebook: str, workers: int) -> str | None:
@@ -176,14 +182,19 @@ class TrellisWgmma(GemmClass):
     @classmethod
     def workers_for(cls, smem_limit: int, *, block_m: int, span: int = 1, bits_set: tuple = (),
                     pair_table: bool = False, **args) -> int:
-        """2 where the state tables leave room for one CTA per SM (mixed rates, the pair
-        table) and two one-warpgroup workers' rings fit beside them (module docstring),
-        else 1."""
+        """Where the state tables leave room for one CTA per SM (mixed rates, the pair
+        table): the most one-warpgroup workers (up to 4; T12 up to `T12_MAX_WORKERS`) whose
+        rings fit beside the tables (module docstring), else 1. More warpgroups in flight
+        keep more decode loads queued on the banks while others wait on their wgmma."""
         if not (bits_set or pair_table) or span * block_m > 64:
             return 1
-        need = cls.smem_bytes_for(block_m=block_m, span=span, bits_set=bits_set,
-                                  pair_table=pair_table, **dict(args, workers=2))
-        return 2 if need <= smem_limit else 1
+        top = T12_MAX_WORKERS if args.get("table_decode") == "t12" else WORKERS[-1]
+        for workers in range(top, 1, -1):
+            need = cls.smem_bytes_for(block_m=block_m, span=span, bits_set=bits_set,
+                                      pair_table=pair_table, **dict(args, workers=workers))
+            if need <= smem_limit:
+                return workers
+        return 1
 
     @staticmethod
     def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
@@ -360,13 +371,13 @@ class TrellisWgmma(GemmClass):
         if cutlass.const_expr(self.ring.table):
             # Persistent CTA: stage the state table once, then every grid-th work item.
             gdim, _, _ = cute.arch.grid_dim()
+            # Worker wk of CTA b takes items b + gdim * (wk + workers * i): consecutive items
+            # go to consecutive CTAs first, so every SM gets its share of a short launch
+            # (item counts per CTA differ by at most one) before any SM gets a second.
             first, stride = bidx, gdim
-            if cutlass.const_expr(self.workers > 1):  # worker wk: every workers-th item
-                first, stride = bidx * self.workers + wk, gdim * self.workers
-            busy = bidx < total
             if cutlass.const_expr(self.workers > 1):
-                busy = bidx * self.workers < total
-            if busy:
+                first, stride = bidx + wk * gdim, gdim * self.workers
+            if bidx < total:
                 stage_table(pTable, tab, cta_tidx, self.threads, self.table_bytes,
                             self.table_offset)
                 if cutlass.const_expr(self.workers > 1):

@@ -215,20 +215,24 @@ def test_sqg_e4m3_compiles_with_its_state_table(arch, cache):
 @needs_cuobjdump
 def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
     """Uniform K=2 sqg_e4m3 on sm_90a (the production QSRT layer): the wgmma GEMM holds the
-    128 KiB pair table and two one-warpgroup workers' rings (256 threads, one CTA per SM)
-    at the plans' block sizes, spills nothing and fits 227 KB; the mma.sync GEMM keeps the
+    128 KiB pair table and as many one-warpgroup workers' rings as fit in the 101,376 B
+    left of 227 KB (one CTA per SM): a worker's ring is 4 stages x 2,048 B of K=2 words plus
+    its activation ring / epilogue tile (rows x 132 x 4 B, in 1,024-B steps), 13,312 B at
+    8 rows (4 workers, 512 threads) and 41,984 B at 64 rows (2 workers, 256 threads). At
+    the plans' block sizes it spills nothing and fits 227 KB; the mma.sync GEMM keeps the
     64 KiB direct table."""
     from kquant_cute.kernels.decode import PAIR_TABLE_BYTES, TABLE_BYTES
 
     limits = arch_limits("sm_90a")
-    for m, span in ((8, 1), (32, 2), (64, 1)):
+    for m, span, workers in ((8, 1, 4), (32, 2, 2), (64, 1, 2)):
         spec = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=m, arch="sm_90a")
         assert spec.span == span and spec.table_layout() == "pair"
         verdict = geometry_check(spec, cache)
         assert verdict.ok, (m, verdict.reason)
         assert verdict.spills == 0 and verdict.registers <= limits.regs_per_thread_max
         threads, dynamic = spec.kernel_launches()["TrellisWgmma"]
-        assert threads == 256 and spec.gemm_workers() == 2 and spec.gemm_resident_ctas() == 1
+        assert spec.gemm_workers() == workers and threads == 128 * workers
+        assert spec.gemm_resident_ctas() == 1
         gemms = [k for k in _resources(spec, cache)["kernels"] if k["kernel"] == "TrellisWgmma"]
         assert all(dynamic <= g["shared"] <= limits.smem_per_block_optin for g in gemms)
         assert dynamic > PAIR_TABLE_BYTES
@@ -261,9 +265,10 @@ def test_mixed_rates_compile_on_sm90_with_a_table_per_rate(cache):
     """k3x22_k4x2 (bits_set (3, 4)) on sm_90a: both GEMM paths compile at the plans' block
     sizes with no spills; shared memory holds both 64 KiB state tables in front of B rings
     sized for K=4, which leaves one CTA per SM. mma.sync: the uniform K=4 layer's bytes plus
-    one table. wgmma: two one-warpgroup workers with a ring each (256 threads; at M=64 and
-    M=32 x 2 that is the whole 227 KB); three rates at M=8 leave room for one worker only,
-    which runs each work item on two warpgroups. The plan pair for 4,096 tokens keeps
+    one table. wgmma: one-warpgroup workers with a ring each, as many as fit: 4 at M=8
+    (512 threads; 21,504 B each beside the 131,072 B of tables), 2 at M=64 and M=32 x 2
+    (50,176 B each, 256 threads; that is the whole 227 KB); three rates at M=8 leave room
+    for one worker only, which runs each work item on two warpgroups. The plan pair for 4,096 tokens keeps
     M=8 / M=64. Every case's launch shape is checked; the compiled (measured) ones are the
     plan pair's wgmma M=8 / M=64, mma.sync at M=64 and three rates at M=8: M=32 x 2 has
     M=64's shared memory (checked), mma.sync M=8 less than mma.sync M=64."""
@@ -272,7 +277,8 @@ def test_mixed_rates_compile_on_sm90_with_a_table_per_rate(cache):
 
     limits = arch_limits("sm_90a")
     # (mma, GEMM, M, rates, workers, compiled)
-    cases = [("wgmma", "TrellisWgmma", m, (3, 4), 2, m != 32) for m in (8, 32, 64)]
+    cases = [("wgmma", "TrellisWgmma", m, (3, 4), 4 if m == 8 else 2, m != 32)
+             for m in (8, 32, 64)]
     cases += [("sync", "TrellisGemm", m, (3, 4), 1, m == 64) for m in (8, 64)]
     cases += [("wgmma", "TrellisWgmma", 8, (2, 3, 4), 1, True)]
     dynamic_at = {}
@@ -283,7 +289,7 @@ def test_mixed_rates_compile_on_sm90_with_a_table_per_rate(cache):
         assert spec.gemm_workers() == workers
         threads, dynamic = spec.kernel_launches()[name]
         dynamic_at[mma, m, rates] = dynamic
-        assert threads == (256 if mma == "wgmma" else 128)
+        assert threads == (128 * max(workers, 2) if mma == "wgmma" else 128)
         assert dynamic >= len(rates) * TABLE_BYTES + workers * spec.stages * b_stage_bytes(4)
         if mma == "sync":  # the uniform K=4 layer's bytes plus one table
             assert dynamic == spec.replace(bits_set=()).dynamic_smem()[name] + TABLE_BYTES
@@ -386,7 +392,7 @@ def test_mixed_rate_rejections_name_the_reason():
     # Only the GEMMs see the rates: FC1 along its N (output) axis, FC2 along its K.
     subs = {s.role: s.args for s in base.sub_kernels()}
     assert (subs["gemm1"]["rate_axis"], subs["gemm2"]["rate_axis"]) == ("n", "k")
-    assert subs["gemm1"]["workers"] == 2 and base.replace(bits_set=()).gemm_workers() == 1
+    assert subs["gemm1"]["workers"] == 4 and base.replace(bits_set=()).gemm_workers() == 1
     assert base.replace(block_m=64, span=2).gemm_workers() == 1  # 128 rows: two warpgroups
     from kquant_cute.kernels.trellis_wgmma import TrellisWgmma
     assert "workers 2 need work items of <= 64 rows" in TrellisWgmma.can_implement(

@@ -109,3 +109,36 @@ def test_pair_table_rejections():
     reason = TrellisWgmma.can_implement(bits=2, pair_table=True, workers=2,
                                         smem_limit=101_376, **args)
     assert "128 KiB sqg_e4m3 pair table" in reason
+
+
+def test_workers_fill_the_shared_memory_the_tables_leave():
+    """With one CTA per SM (the pair table, mixed rates), the wgmma GEMM runs as many
+    one-warpgroup workers (up to 4) as fit in the 232,448 B sm_90a block beside the tables.
+    By hand: a worker holds 4 B-ring stages (2,048 B at K=2, 4,096 B at K<=4) and its
+    activation ring / epilogue tile, max(4 x rows x 128, rows x 132 x 4) rounded up to
+    1,024 B. Pair table (131,072 B; 101,376 B left): 8 rows 5,120 + 8,192 = 13,312 B -> 4;
+    16 rows 9,216 + 8,192 -> 4; 32 rows 17,408 + 8,192 = 25,600 B, x 4 = 102,400 > 101,376
+    -> 3; 64 rows 41,984 B -> 2. Rates {3, 4} (two 64 KiB tables): 16 rows 25,600 B -> 3;
+    32 rows 33,792 B, x 3 = 101,376 B exactly -> 3. T12 stays at 2 (registers), and 128-row
+    work items (two warpgroups) at 1."""
+    def spec(**kw):
+        base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, bits=2,
+                    codebook="sqg_e4m3", block_m=8, span=1, shared_hidden_vectors=True,
+                    coupled=True, arch="sm_90a")
+        base.update(kw)
+        return MoESpec(**base)
+
+    pair = {m: spec(block_m=m).gemm_workers() for m in (8, 16, 32, 64)}
+    assert pair == {8: 4, 16: 4, 32: 3, 64: 2}
+    assert spec(block_m=64, span=2).gemm_workers() == 1
+    mixed = {m: spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False).gemm_workers()
+             for m in (8, 16, 32, 64)}
+    assert mixed == {8: 4, 16: 3, 32: 3, 64: 2}
+    for m in (8, 32):
+        s = spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False, table_decode="t12")
+        assert s.gemm_workers() == 2 and s.check() is None
+    per_worker = {8: 13_312, 16: 17_408, 32: 25_600, 64: 41_984}
+    for m, w in pair.items():
+        threads, smem = spec(block_m=m).kernel_launches()["TrellisWgmma"]
+        assert threads == 128 * w and smem == PAIR_TABLE_BYTES + w * per_worker[m] <= 232_448
+    assert spec(mma="sync").gemm_workers() == 1
