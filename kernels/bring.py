@@ -38,6 +38,10 @@ BLOCK_SIZES = ROUTE_BLOCK_SIZES  # defined once, in the launch contract
 RATE_AXES = ("n", "k")
 MAX_CTAS_PER_SM = 8  # occupancy target cap (64 regs/thread at 8 x 128 threads)
 SMEM_RESERVED_PER_CTA = 1024  # the driver's per-CTA shared-memory reservation
+#: Static shared memory every kernel the DSL compiles carries beside its dynamic bytes (each
+#: kernel of the forward reports 1,024 B static in its cubin): what a kernel may allocate
+#: dynamically is the per-block limit less this.
+DSL_STATIC_SMEM = 1024
 
 
 def b_stage_bytes(bits: int) -> int:
@@ -104,9 +108,10 @@ class GemmClass:
     instruction: str = ""
     kernel_tag: str = ""
 
-    @staticmethod
-    def default_span(block_m: int) -> int:
-        """Route blocks of one expert per work item when a spec does not pin `span`."""
+    @classmethod
+    def default_span(cls, block_m: int, smem_limit: int | None = None, **args) -> int:
+        """Route blocks of one expert per work item when a spec does not pin `span`
+        (`args`: the spec's GEMM geometry without block_m and span)."""
         return 1
 
     @staticmethod

@@ -67,15 +67,26 @@ _DSL_DTYPES = {
 }
 
 
-def _resolve(mma: str, span: int, block_m: int, arch: str) -> tuple[str, int]:
-    """`mma` "auto" -> the registry's preferred kind on this arch (`gemms.auto_mma`);
-    `span` 0 -> that GEMM class's `default_span(block_m)`. Values that are not resolvable
-    are left for `MoESpec.check` to report."""
-    if mma == "auto":
-        mma = auto_mma(arch)
-    if span == 0 and mma in GEMMS and isinstance(block_m, int):
-        span = GEMMS[mma].default_span(block_m)
-    return mma, span
+def _resolve_mma(mma: str, arch: str) -> str:
+    """`mma` "auto" -> the registry's preferred kind on this arch (`gemms.auto_mma`)."""
+    return auto_mma(arch) if mma == "auto" else mma
+
+
+def _resolve_span(spec: "MoESpec") -> int:
+    """`span` 0 -> the GEMM class's `default_span` for this block size and geometry (on
+    this arch's per-block shared memory). Values that are not resolvable are left for
+    `MoESpec.check` to report."""
+    if spec.span != 0 or spec.mma not in GEMMS or not isinstance(spec.block_m, int):
+        return spec.span
+    limits = spec.arch_limits()
+    if limits is None:
+        return GEMMS[spec.mma].default_span(spec.block_m)
+    try:
+        geo = spec._gemm_geometry()
+    except (TypeError, ValueError, KeyError):
+        return GEMMS[spec.mma].default_span(spec.block_m)
+    geo = {k: v for k, v in geo.items() if k not in ("block_m", "span")}
+    return GEMMS[spec.mma].default_span(spec.block_m, limits.smem_per_block_optin, **geo)
 
 
 def _resolve_table_decode(spec: "MoESpec") -> str:
@@ -135,7 +146,7 @@ class MoESpec:
     mma: str = "auto"
     #: Route blocks of one expert per work item (rows = span x block_m), so an expert's
     #: weights are decoded once per N tile for up to that many rows (wgmma: 1, 2 or 4, at
-    #: most 128 rows; mma.sync: 1); 0 = the GEMM class's `default_span(block_m)`.
+    #: most 128 rows; mma.sync: 1); 0 = the GEMM class's `default_span` for this geometry.
     span: int = 0
     arch: str = "sm_90a"
     #: QSRT coupled transforms (H512 on the latent axis, signed H128 around the activation,
@@ -166,10 +177,9 @@ class MoESpec:
         except (ValueError, TypeError):
             pass
         object.__setattr__(self, "requested", (self.mma, self.span, self.table_decode))
-        mma, span = _resolve(self.mma, self.span, self.block_m, self.arch)
-        object.__setattr__(self, "mma", mma)
-        object.__setattr__(self, "span", span)
+        object.__setattr__(self, "mma", _resolve_mma(self.mma, self.arch))
         object.__setattr__(self, "table_decode", _resolve_table_decode(self))
+        object.__setattr__(self, "span", _resolve_span(self))
 
     def resolved(self) -> "MoESpec":
         """This spec (specs are resolved when they are made; kept for callers)."""

@@ -2,7 +2,7 @@
 
 Owns `MoELayer`: built once per layer shape (weights, top-k, token capacity, dtypes), it
 plans the decode (M = 8) and prefill (policy M with fallback) specializations and, when
-banded (`planners.default_banded`: every codebook but the table one), the sizes between
+banded (`planners.default_banded`: every codebook today), the sizes between
 them a call's own m selects, gets them
 from the compile cache, and allocates ONE scratch arena (its route list sized by the plan's
 `RoutePlan.route_slots`, the bound over every token band) plus one output buffer; a call

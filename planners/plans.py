@@ -64,9 +64,10 @@ __all__ = [
 ]
 
 #: Codebook decodes (``format.Codebook.decode``) whose layers default to the decode /
-#: prefill pair instead of the banded plan: a table codebook's persistent GEMM stages its
-#: state tables once per CTA and runs faster at the pair's wider M (docs/benchmarks.md).
-PAIR_PLAN_DECODES: tuple[str, ...] = ("table",)
+#: prefill pair instead of the banded plan. None: since the table codebook's GEMM runs
+#: several workers per CTA at narrow blocks, its banded plan is as fast as the pair or
+#: faster from 512 tokens up (docs/benchmarks.md), as the arithmetic codebooks' always was.
+PAIR_PLAN_DECODES: tuple[str, ...] = ()
 
 
 def default_banded(codebook: str) -> bool:

@@ -218,13 +218,14 @@ def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
     128 KiB pair table and as many one-warpgroup workers' rings as fit in the 101,376 B
     left of 227 KB (one CTA per SM): a worker's ring is 4 stages x 2,048 B of K=2 words plus
     its activation ring / epilogue tile (rows x 132 x 4 B, in 1,024-B steps), 13,312 B at
-    8 rows (4 workers, 512 threads) and 41,984 B at 64 rows (2 workers, 256 threads). At
+    8 rows (4 workers, 512 threads), 25,600 B at 32 rows (3 workers: M=32 runs span 1
+    here) and 41,984 B at 64 rows (2 workers, 256 threads). At
     the plans' block sizes it spills nothing and fits 227 KB; the mma.sync GEMM keeps the
     64 KiB direct table."""
     from kquant_cute.kernels.decode import PAIR_TABLE_BYTES, TABLE_BYTES
 
     limits = arch_limits("sm_90a")
-    for m, span, workers in ((8, 1, 4), (32, 2, 2), (64, 1, 2)):
+    for m, span, workers in ((8, 1, 4), (32, 1, 3), (64, 1, 2)):
         spec = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=m, arch="sm_90a")
         assert spec.span == span and spec.table_layout() == "pair"
         verdict = geometry_check(spec, cache)

@@ -72,8 +72,8 @@ def test_pair_fields_decode_every_k2_window_at_every_position():
 
 
 def test_pair_table_is_a_per_arch_choice():
-    """sm_90a's wgmma GEMMs of a uniform K=2 sqg_e4m3 layer use the pair table with two
-    workers per CTA; every other layer, and sm_120 (mma.sync, 101,376 B per block), keeps
+    """sm_90a's wgmma GEMMs of a uniform K=2 sqg_e4m3 layer use the pair table with several
+    workers per CTA (3 at M=32); every other layer, and sm_120 (mma.sync, 101,376 B per block), keeps
     the direct table."""
     def spec(**kw):
         base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, bits=2,
@@ -83,10 +83,10 @@ def test_pair_table_is_a_per_arch_choice():
         return MoESpec(**base)
 
     s = spec()
-    assert s.pair_table() and s.table_layout() == "pair" and s.gemm_workers() == 2
+    assert s.pair_table() and s.table_layout() == "pair" and s.gemm_workers() == 3
     assert s.gemm_resident_ctas() == 1 and s.check() is None
     gemm = {sub.role: sub for sub in s.sub_kernels()}["gemm1"].build()
-    assert gemm.pair_table and gemm.threads == 256 and gemm.smem_bytes > PAIR_TABLE_BYTES
+    assert gemm.pair_table and gemm.threads == 384 and gemm.smem_bytes > PAIR_TABLE_BYTES
     for m in (8, 16, 48, 64):
         assert spec(block_m=m).pair_table() and spec(block_m=m).check() is None
     for other in (spec(bits=3), spec(mma="sync"), spec(arch="sm_120a", block_m=32),
@@ -119,8 +119,9 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     1,024 B. Pair table (131,072 B; 101,376 B left): 8 rows 5,120 + 8,192 = 13,312 B -> 4;
     16 rows 9,216 + 8,192 -> 4; 32 rows 17,408 + 8,192 = 25,600 B, x 4 = 102,400 > 101,376
     -> 3; 64 rows 41,984 B -> 2. Rates {3, 4} (two 64 KiB tables): 16 rows 25,600 B -> 3;
-    32 rows 33,792 B, x 3 = 101,376 B exactly -> 3. T12 stays at 2 (registers), and 128-row
-    work items (two warpgroups) at 1."""
+    32 rows 33,792 B, x 3 = 101,376 B exactly, but every DSL kernel also carries 1,024 B of
+    static shared memory -> 2. T12 stays at 2 (registers), and 128-row work items (two
+    warpgroups) at 1."""
     def spec(**kw):
         base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, bits=2,
                     codebook="sqg_e4m3", block_m=8, span=1, shared_hidden_vectors=True,
@@ -133,12 +134,28 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     assert spec(block_m=64, span=2).gemm_workers() == 1
     mixed = {m: spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False).gemm_workers()
              for m in (8, 16, 32, 64)}
-    assert mixed == {8: 4, 16: 3, 32: 3, 64: 2}
+    assert mixed == {8: 4, 16: 3, 32: 2, 64: 2}
     for m in (8, 32):
         s = spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False, table_decode="t12")
         assert s.gemm_workers() == 2 and s.check() is None
     per_worker = {8: 13_312, 16: 17_408, 32: 25_600, 64: 41_984}
     for m, w in pair.items():
         threads, smem = spec(block_m=m).kernel_launches()["TrellisWgmma"]
-        assert threads == 128 * w and smem == PAIR_TABLE_BYTES + w * per_worker[m] <= 232_448
+        assert threads == 128 * w and smem == PAIR_TABLE_BYTES + w * per_worker[m] <= 232_448 - 1_024
     assert spec(mma="sync").gemm_workers() == 1
+
+
+def test_default_span_at_m32_follows_the_workers():
+    """M=32's default span is 2 (an expert's 64 rows decoded once), except where 32-row
+    work items fit more workers beside the tables: the pair table's 3 against 2 (above).
+    Mixed rates fit 2 workers either way (33,792 B each at 32 rows, x 3 plus the DSL's
+    1,024 B static is over the limit), so they keep 2; mma.sync has no spans."""
+    base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, codebook="sqg_e4m3",
+                block_m=32, shared_hidden_vectors=True, arch="sm_90a")
+    assert MoESpec(bits=2, coupled=True, **base).span == 1
+    mixed = MoESpec(bits=4, bits_set=(3, 4), **base)
+    assert mixed.span == 2 and mixed.replace(span=1).gemm_workers() == 2
+    assert MoESpec(**dict(base, codebook="mcg"), bits=4).span == 2
+    assert MoESpec(bits=3, **base).span == 2  # direct table: one worker either way
+    assert MoESpec(bits=2, mma="sync", **base).span == 1
+    assert MoESpec(bits=2, block_m=64, **{k: v for k, v in base.items() if k != "block_m"}).span == 1

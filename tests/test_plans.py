@@ -461,11 +461,13 @@ def test_candidate_bound():
     assert candidate_bound(256, 16, 896, PlanEnv()) == 1
 
 
-def test_default_plan_is_banded_except_for_table_codebooks(monkeypatch) -> None:
+def test_default_plan_follows_the_pair_plan_decodes(monkeypatch) -> None:
     """`banded=None` (MoELayer's, plan_forward's and prewarm's default) is the spec's
-    default plan: banded for the ALU codebooks, the pair plan for sqg_e4m3 (its table
-    GEMM measured faster at the capacity's M); an explicit True / False wins."""
+    default plan: banded, except for a codebook whose decode is in `PAIR_PLAN_DECODES`
+    (none today; set to the table decode here, sqg_e4m3 gets the pair plan); an explicit
+    True / False wins."""
     from kquant_cute import compiler
+    from kquant_cute.planners import plans
     from kquant_cute.prewarm import DEFAULT_GEOMETRY
 
     asked = []
@@ -478,6 +480,7 @@ def test_default_plan_is_banded_except_for_table_codebooks(monkeypatch) -> None:
         raise Stop
 
     monkeypatch.setattr(compiler, "plan_routes", fake_plan_routes)
+    monkeypatch.setattr(plans, "PAIR_PLAN_DECODES", ("table",))  # the pair for table decodes
     mcg = DEFAULT_GEOMETRY.replace(codebook="mcg", bits=4)
     sqg = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2)
     assert default_banded(mcg.codebook) and not default_banded(sqg.codebook)
