@@ -206,7 +206,9 @@ def plot(rows, path, device="") -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from plot_bench import save_small
+
+    save_small(fig, path)
 
 
 def main(argv=None):

@@ -13,6 +13,19 @@ import json
 import sys
 
 
+#: Plots are drawn at this resolution and stored as palette PNGs of this many colours: the
+#: docs' plots travel with the tree to the GPU machine, whose upload limit leaves little room.
+DPI, COLOURS = 80, 64
+
+
+def save_small(fig, path: str) -> None:
+    """Save `fig` at `DPI` as a `COLOURS`-colour palette PNG (Pillow comes with matplotlib)."""
+    from PIL import Image
+
+    fig.savefig(path, dpi=DPI)
+    Image.open(path).convert("RGB").quantize(colors=COLOURS).save(path, optimize=True)
+
+
 def plot(data: dict, path: str) -> None:
     import matplotlib
 
@@ -21,7 +34,7 @@ def plot(data: dict, path: str) -> None:
 
     rows = data["rows"]
     tokens = [r["tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    fig, ax = plt.subplots(figsize=(8, 5))
     for key in sorted(k for k in rows[0] if k.startswith("M") and k[1:].isdigit()):
         ys = [r.get(key) for r in rows]
         ax.plot(tokens, ys, marker=".", linewidth=1, alpha=0.6, label=f"ours M={key[1:]}")
@@ -40,7 +53,7 @@ def plot(data: dict, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    fig.savefig(path)
+    save_small(fig, path)
 
 
 def main(argv=None) -> int:

@@ -7,8 +7,8 @@ Runs `python3 benchmarks/sanitize.py --workload CACHE` under each tool: nine sma
 (E=16, H=512, I=256, top-4) whose plans cover TrellisWgmma (M=8; M=32 x 2 spans; M=64 x 2,
 two warpgroups; mcg K=3 and 4; the persistent sqg_e4m3 pair-table GEMM at K=2, coupled,
 with 4 workers at M=8, 2 at M=64 and 3 at M=32 x 1; the mixed-rate K=3/4 GEMM, with the
-direct tables and with T12 + bijection), TrellisGemm (mma.sync, M=8 and M=64, mcg K=3; sqg_e4m3 K=4 with
-its smem state table; mixed-rate K=3/4 at M=8/32),
+direct tables and with T12 + bijection), TrellisGemm (mma.sync, M=8 and M=64, mcg K=3;
+sqg_e4m3 K=4 with its smem state table; mixed-rate K=3/4 at M=8/32),
 RoutePack, RotateInput / MidActivation / CombineOutput (shared and per-expert vectors,
 with and without an expert map, -1 ids, the QSRT coupled variants), each at a decode and
 a prefill token count, plus the decode-only ceiling kernel (TrellisDecode). "cold": the cache starts empty, so every
