@@ -26,6 +26,13 @@ from kquant_cute.kernels.gemms import MMA_KINDS
 from peers import capture, graph_median_ms, random_tokens
 
 
+def bound_label(layer, m):
+    """The route block M a call of m tokens binds, as "48x2" where the plan's wide rule binds
+    work items of two blocks."""
+    band = layer.plan.route.band_for(m)
+    return f"{band.block_m}x{band.span}" if band.span else band.block_m
+
+
 def time_layer(layer, m, sets=4, iters=50, warmup=5):
     """(median ms, bound M, output of input set 0 after the timing) for `layer` at m."""
     H, topk, E = layer.weights.hidden, layer.topk, layer.weights.num_experts
@@ -93,7 +100,8 @@ def run_table(wts, tokens, blocks, *, iters, knobs, peer=None, ceilings=None, de
         del layer
         layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ",
                          **knobs)  # the default (banded) plan
-        row["banded"], row["banded_M"], out = time_layer(layer, m, iters=iters)
+        row["banded"], _, out = time_layer(layer, m, iters=iters)
+        row["banded_M"] = bound_label(layer, m)
         outs.append(out)
         del layer
         # Every column computed the same forward: bitwise-equal outputs, none left unwritten.

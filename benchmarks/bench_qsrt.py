@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from bench_moe import time_layer
+from bench_moe import bound_label, time_layer
 from peers import Bf16GroupedMoE, DecodeCeiling, capture, graph_median_ms, random_tokens
 
 E, H, I, TOPK = 896, 3584, 384, 16
@@ -112,10 +112,10 @@ def run(tokens, iters, columns=tuple(PROFILES), peer=True, decode=True):
         bf16 = Bf16GroupedMoE(wts, topk=TOPK, activation="situ") if peer and name == "mcg_k4" else None
         for m in tokens:
             row = rows[m]
-            ms, block_m, out = time_layer(plan, m, iters=iters)
+            ms, _, out = time_layer(plan, m, iters=iters)
             _, _, out8 = time_layer(m8, m, iters=3)
             row[name] = ms
-            row[f"{name}_M"] = block_m
+            row[f"{name}_M"] = bound_label(plan, m)
             row[f"{name}_bitwise"] = bool(not torch.isnan(out).any() and torch.equal(out, out8))
             gen = torch.Generator(device="cuda").manual_seed(m)
             x, ids = random_tokens(m, wts.hidden, wts.num_experts, TOPK, gen)

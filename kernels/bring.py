@@ -107,6 +107,8 @@ class GemmClass:
     kind: str = ""
     instruction: str = ""
     kernel_tag: str = ""
+    #: Route blocks of one expert a work item may take (`MoESpec.span`).
+    spans: tuple = (1,)
 
     @classmethod
     def default_span(cls, block_m: int, smem_limit: int | None = None, **args) -> int:
@@ -130,7 +132,7 @@ class GemmClass:
         """CTAs per SM that shared memory allows (1..MAX_CTAS_PER_SM): the persistent grid
         of a table codebook is SMs x this, and it is the register target that keeps
         registers from being the tighter limit."""
-        per_cta = cls.smem_bytes_for(**args) + SMEM_RESERVED_PER_CTA
+        per_cta = cls.smem_bytes_for(**args) + DSL_STATIC_SMEM + SMEM_RESERVED_PER_CTA
         return max(1, min(MAX_CTAS_PER_SM, smem_per_sm // per_cta))
 
 

@@ -47,8 +47,8 @@ from cutlass import Int32
 
 from . import format as fmt
 from .arch import arch_limits, known_archs, mma_archs, normalize_arch
-from .bring import (DEFAULT_STAGES, K_STEPS_PER_STAGE, MAX_CTAS_PER_SM, SMEM_RESERVED_PER_CTA,
-                    TILE_N, check_rates)
+from .bring import (DEFAULT_STAGES, DSL_STATIC_SMEM, K_STEPS_PER_STAGE, MAX_CTAS_PER_SM,
+                    SMEM_RESERVED_PER_CTA, TILE_N, check_rates)
 from .decode import check_table_decode
 from .gemms import GEMMS, MMA_KINDS, auto_mma
 from .launch import ARG_NAMES, ROUTE_BLOCK_SIZES  # noqa: F401 - ARG_NAMES: the entry point's order
@@ -74,19 +74,17 @@ def _resolve_mma(mma: str, arch: str) -> str:
 
 def _resolve_span(spec: "MoESpec") -> int:
     """`span` 0 -> the GEMM class's `default_span` for this block size and geometry (on
-    this arch's per-block shared memory). Values that are not resolvable are left for
-    `MoESpec.check` to report."""
+    this arch's dynamic shared memory per block; without them, the block size's plain
+    default). Values that are not resolvable are left for `MoESpec.check` to report."""
     if spec.span != 0 or spec.mma not in GEMMS or not isinstance(spec.block_m, int):
         return spec.span
-    limits = spec.arch_limits()
-    if limits is None:
-        return GEMMS[spec.mma].default_span(spec.block_m)
-    try:
-        geo = spec._gemm_geometry()
-    except (TypeError, ValueError, KeyError):
-        return GEMMS[spec.mma].default_span(spec.block_m)
-    geo = {k: v for k, v in geo.items() if k not in ("block_m", "span")}
-    return GEMMS[spec.mma].default_span(spec.block_m, limits.smem_per_block_optin, **geo)
+    limit, geo = spec.smem_limit(), {}
+    if limit is not None:
+        try:
+            geo = {k: v for k, v in spec._gemm_geometry().items() if k not in ("block_m", "span")}
+        except (TypeError, ValueError, KeyError):
+            limit = None
+    return GEMMS[spec.mma].default_span(spec.block_m, limit, **geo)
 
 
 def _resolve_table_decode(spec: "MoESpec") -> str:
@@ -101,9 +99,8 @@ def _resolve_table_decode(spec: "MoESpec") -> str:
     book = fmt.CODEBOOK.get(spec.codebook) if isinstance(spec.codebook, str) else None
     if book is None or not book.table or spec.mma not in GEMMS:
         return "direct"
-    try:
-        limit = arch_limits(spec.arch).smem_per_block_optin
-    except ValueError:
+    limit = spec.smem_limit()
+    if limit is None:
         return "direct"  # an unknown arch: `check` reports it
     bits_set = spec.bits_set if isinstance(spec.bits_set, tuple) else ()
     try:
@@ -243,13 +240,21 @@ class MoESpec:
             return (f"codebook {self.codebook!r} needs cvt.rn.f16x2.e4m3x2 (sm_89 or later), "
                     f"not {self.arch}")
         for sub in self.sub_kernels():
-            reason = sub.check(limits.smem_per_block_optin)
+            reason = sub.check(self.smem_limit())
             if reason is not None:
                 return reason
         words = self.num_experts * self.hidden * self.intermediate * self.bits // 32
         if words > INDEX_LIMIT:
             return f"one projection holds {words:,} 32-bit words > 2^31 - 1 (32-bit indexing)"
         return None
+
+    def smem_limit(self) -> int | None:
+        """Dynamic shared memory one CTA of this arch may allocate: the per-block opt-in
+        limit less the DSL's static bytes (`bring.DSL_STATIC_SMEM`), or None for an arch
+        the table does not list. The one limit every sub-kernel's `can_implement` and the
+        GEMM's `workers_for` / `default_span` are asked against."""
+        limits = self.arch_limits()
+        return None if limits is None else limits.smem_per_block_optin - DSL_STATIC_SMEM
 
     def arch_limits(self):
         """The arch table's entry for `arch`, or None for an arch it does not list."""
@@ -389,10 +394,10 @@ class MoESpec:
     def gemm_workers(self) -> int:
         """Work-item loops per GEMM CTA (the GEMM class's `workers_for` this arch's
         per-block shared memory)."""
-        limits = self.arch_limits()
-        if limits is None:
+        limit = self.smem_limit()
+        if limit is None:
             return 1
-        return GEMMS[self.mma].workers_for(limits.smem_per_block_optin, **self._gemm_geometry())
+        return GEMMS[self.mma].workers_for(limit, **self._gemm_geometry())
 
     def gemm_resident_ctas(self) -> int:
         """GEMM CTAs per SM that shared memory allows (the GEMM class's `resident_ctas`; the

@@ -59,7 +59,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from . import ptx
-from .bring import (DEFAULT_STAGES, DSL_STATIC_SMEM, K_STEPS_PER_STAGE, TILE_N, BRing, GemmClass,
+from .bring import (DEFAULT_STAGES, K_STEPS_PER_STAGE, TILE_N, BRing, GemmClass,
                     b_stage_bytes, check_geometry)
 from .decode import (TABLE_CODEBOOKS, check_pair_table, decode_tile, lane_words,
                      persistent_grid, stage_table, table_bytes, table_note, table_offset)
@@ -79,16 +79,6 @@ MAX_SPAN_ROWS = 128  # wgmma n of one work item (accumulators: rows / 2 per thre
 
 def a_stage_bytes(rows: int) -> int:
     return rows * STAGE_ROW_BYTES
-
-
-def default_span(block_m: int, more_workers_at_one: bool = False) -> int:
-    """The span a plan uses when none is pinned: 2 at M=32 (one warpgroup, 64 rows), else 1.
-    Two blocks per work item at M=32 decode each expert's weights half as often, unless
-    32-row items let more workers share the tables (`more_workers_at_one`: the pair table,
-    3 workers against 2), which pays more. Work items of more than 64 rows (two warpgroups,
-    fewer CTAs per SM) pay off only where nearly every row is real, so wider blocks keep
-    span 1 (measurements: docs/benchmarks.md)."""
-    return 2 if block_m == 32 and not more_workers_at_one else 1
 
 
 def warpgroups(rows: int, mixed: bool = False, workers: int = 1) -> int:
@@ -156,16 +146,25 @@ class TrellisWgmma(GemmClass):
 
     kind = "wgmma"
     instruction = "async wgmma"
+    spans = SPANS
     kernel_tag = "_wgmma"
 
     @classmethod
     def default_span(cls, block_m: int, smem_limit: int | None = None, **args) -> int:
-        """`default_span` (module function), with the workers each span leaves room for."""
-        more = False
-        if block_m == 32 and smem_limit is not None and args:
-            more = (cls.workers_for(smem_limit, block_m=32, span=1, **args)
-                    > cls.workers_for(smem_limit, block_m=32, span=2, **args))
-        return default_span(block_m, more)
+        """The span a plan uses when none is pinned: 2 at M=32 (one warpgroup, 64 rows), else
+        1. Two blocks per work item at M=32 decode each expert's weights half as often,
+        unless 32-row items let more workers share the tables (the pair table: 3 workers
+        against 2; needs `smem_limit` and the geometry `args`), which pays more. Work items
+        of more than 64 rows (two warpgroups, fewer CTAs per SM) pay off only where nearly
+        every row is real, so wider blocks keep span 1 unless a plan asks for more
+        (measurements: docs/benchmarks.md)."""
+        if block_m != 32:
+            return 1
+        if smem_limit is not None and args and (
+                cls.workers_for(smem_limit, block_m=32, span=1, **args)
+                > cls.workers_for(smem_limit, block_m=32, span=2, **args)):
+            return 1
+        return 2
 
     @staticmethod
     def threads_for(*, block_m: int, span: int = 1, bits_set: tuple = (), workers: int = 1,
@@ -202,7 +201,7 @@ class TrellisWgmma(GemmClass):
         for workers in range(top, 1, -1):
             need = cls.smem_bytes_for(block_m=block_m, span=span, bits_set=bits_set,
                                       pair_table=pair_table, **dict(args, workers=workers))
-            if need + DSL_STATIC_SMEM <= smem_limit:
+            if need <= smem_limit:
                 return workers
         return 1
 
@@ -225,7 +224,7 @@ class TrellisWgmma(GemmClass):
         if reason is None and smem_limit is not None:
             need = smem_bytes(block_m, bits, stages, span, codebook, bits_set, workers, pair_table,
                               table_decode)
-            if need + DSL_STATIC_SMEM > smem_limit:
+            if need > smem_limit:
                 reason = (f"shared memory {need:,} B"
                           f"{table_note(codebook, bits_set, pair_table, table_decode)} > "
                           f"{smem_limit:,} B per-block limit")

@@ -33,8 +33,8 @@ from .compile_cache.store import sweep_stale
 from .kernels import build as kbuild
 from .kernels.gemms import GEMMS
 from .kernels.moe import MoESpec
-from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, RoutePlan, arch_limits,
-                       check_resources, default_banded, normalize_arch, plan_routes,
+from .planners import (DECODE_BLOCK_M, WIDE_SPAN, GeometryVerdict, PlanEnv, RoutePlan,
+                       arch_limits, check_resources, default_banded, normalize_arch, plan_routes,
                        resolve_env)
 
 KERNEL_NAME = "w4a16_trellis_moe"
@@ -47,6 +47,13 @@ def describe_gemm(plans) -> str:
         f"M={block_m} {GEMMS[mma].instruction if mma in GEMMS else mma}"
         + (f" x {span} route blocks per work item" if span > 1 else "")
         for block_m, mma, span in plans)
+
+
+def plans_wide(spec: MoESpec) -> bool:
+    """Whether `spec`'s banded plan applies the wide rule (`planners.plans.WIDE_SPAN`): its
+    span is not pinned (asked for 0) and its GEMM runs work items of that many blocks."""
+    mma = GEMMS.get(spec.mma)
+    return spec.requested[1] == 0 and mma is not None and WIDE_SPAN in mma.spans
 
 
 def source_files() -> list[str]:
@@ -221,15 +228,20 @@ class ForwardPlan:
     `route` decides (bands, candidates, route bounds); `entries[M]` is the compiled
     specialization of each accepted size of `route.block_sizes`; `outcomes[M]` is the
     cache's answer to every request planning made (also for the sizes the check rejected
-    after compiling them, and for failed builds).
+    after compiling them, and for failed builds). `wide[(M, span)]` / `wide_outcomes` are
+    the same for the wide rule's work items (`route.wide_keys`).
     """
 
     def __init__(self, route: RoutePlan, base: MoESpec, entries: dict[int, BoundPlan],
-                 outcomes: Optional[dict[int, CacheOutcome]] = None):
+                 outcomes: Optional[dict[int, CacheOutcome]] = None,
+                 wide: Optional[dict[tuple[int, int], BoundPlan]] = None,
+                 wide_outcomes: Optional[dict[tuple[int, int], CacheOutcome]] = None):
         self.route = route
         self.base = base
         self.entries = dict(sorted(entries.items()))
         self.outcomes = dict(outcomes or {})
+        self.wide = dict(sorted((wide or {}).items()))
+        self.wide_outcomes = dict(wide_outcomes or {})
 
     @property
     def error(self) -> Optional[str]:
@@ -244,19 +256,21 @@ class ForwardPlan:
         return None if self.route.prefill_m is None else self.entries.get(self.route.prefill_m)
 
     def specs(self) -> list[MoESpec]:
-        return [p.spec for p in self.entries.values()]
+        return [p.spec for p in (*self.entries.values(), *self.wide.values())]
 
     def plan_for(self, m: int) -> BoundPlan:
         """The compiled specialization a call with `m` tokens binds (`RoutePlan.band_for`)."""
-        return self.entries[self.route.band_for(m).block_m]
+        band = self.route.band_for(m)
+        return self.wide[band.key] if band.span else self.entries[band.block_m]
 
     def load(self) -> None:
-        for p in self.entries.values():
+        for p in (*self.entries.values(), *self.wide.values()):
             p.fn  # noqa: B018 - load now, not on the first (possibly captured) call
 
     def describe(self, scratch_bytes=None) -> str:
         text = self.route.describe(scratch_bytes=scratch_bytes)
-        specs = [self.base.replace(block_m=m) for m in self.route.block_sizes]
+        specs = ([self.base.replace(block_m=m) for m in self.route.block_sizes]
+                 + [self.base.replace(block_m=m, span=n) for m, n in self.route.wide_keys])
         return text + "\n  " + describe_gemm((s.block_m, s.mma, s.span) for s in specs)
 
 
@@ -270,7 +284,8 @@ def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] =
     (objects are cross-compiled for `arch`); `env` defaults to the process environment's
     plan knobs (`planners.resolve_env`). `banded=None` is the layer's default plan
     (`planners.default_banded`); True / False ask for the banded plan / the decode /
-    prefill pair."""
+    prefill pair. A banded plan also applies the wide rule where `plans_wide(base)`: its wide
+    items compile through the same check."""
     arch = normalize_arch(arch)
     env = resolve_env() if env is None else env
     banded = default_banded(base.codebook) if banded is None else banded
@@ -278,6 +293,7 @@ def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] =
     # equality across M); an "auto" span resolves per block size.
     base = base.replace(arch=arch)
     outcomes: dict[int, CacheOutcome] = {}
+    wide_outcomes: dict[tuple[int, int], CacheOutcome] = {}
 
     def check(block_m: int) -> GeometryVerdict:
         verdict, outcome = _check(base.replace(block_m=block_m), cache, observe)
@@ -285,12 +301,21 @@ def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] =
             outcomes[block_m] = outcome
         return verdict
 
-    route = plan_routes(capacity, base.topk, base.num_experts, env, check, banded=banded)
+    def span_check(block_m: int, span: int) -> GeometryVerdict:
+        verdict, outcome = _check(base.replace(block_m=block_m, span=span), cache, observe)
+        if outcome is not None:
+            wide_outcomes[block_m, span] = outcome
+        return verdict
+
+    route = plan_routes(capacity, base.topk, base.num_experts, env, check, banded=banded,
+                        span_check=span_check if plans_wide(base) else None)
     entries = {}
     for m in route.block_sizes:
         if route.verdict(m).ok:  # accepted: the check got the entry from the cache
             entries[m] = BoundPlan(outcomes[m].spec, outcomes[m].result.value)
-    return ForwardPlan(route, base, entries, outcomes)
+    wide = {key: BoundPlan(wide_outcomes[key].spec, wide_outcomes[key].result.value)
+            for key in route.wide_keys}
+    return ForwardPlan(route, base, entries, outcomes, wide, wide_outcomes)
 
 
 def plan_forward(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] = None,

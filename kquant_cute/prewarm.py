@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
 from .compile_cache import CompileCache, CompileCacheMiss, default_cache
-from .compiler import CacheOutcome, ForwardPlan, compile_plan, geometry_check_outcome
+from .compiler import CacheOutcome, ForwardPlan, compile_plan, geometry_check_outcome, plans_wide
 from .defaults import DEFAULT_CAPACITY, REFERENCE_LAYER
 from .kernels.moe import MoESpec
 from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, candidate_bound, default_banded,
@@ -62,8 +62,10 @@ CacheAnswer = Optional[Literal["compiled", "disk", "memory"]]
 class PrewarmRecord:
     """One specialization the planner evaluated for one arch.
 
-    ``role``: ``"decode"`` (M=8), ``"prefill"``, ``"band"`` (a banded plan's size), or a
-    rejected ``"fallback-rejected"`` (the prefill walk's) / ``"band-rejected"`` candidate.
+    ``role``: ``"decode"`` (M=8), ``"prefill"``, ``"band"`` (a banded plan's size), ``"wide"``
+    (the wide rule's work items of ``span`` route blocks), or a rejected
+    ``"fallback-rejected"`` (the prefill walk's) / ``"band-rejected"`` / ``"wide-rejected"``
+    candidate.
     ``status``: ``"compiled"`` (built in this run), ``"cached"`` (served by the cache),
     ``"rejected"`` (the geometry check said no: static reason or measured resources; it may
     still have been compiled to measure them, see ``cache``) or ``"failed"`` (the build
@@ -197,14 +199,21 @@ class _Counter:
                                 time.perf_counter() - self._t0, answer, seconds, error, waited))
 
 
-def _record(arch: str, plan: ForwardPlan, block_m: int) -> PrewarmRecord:
-    """The report of candidate ``block_m``: the planner's verdict and role, and the cache's
-    outcome of the request that planning made for it (None: never asked, a static reject)."""
-    verdict = plan.route.verdict(block_m)
-    outcome: Optional[CacheOutcome] = plan.outcomes.get(block_m)
+def _wide_spec(spec: MoESpec, block_m: int, span: int) -> MoESpec:
+    """``spec`` at candidate ``(block_m, span)``: span 0 is the block's own work item."""
+    return spec.replace(block_m=block_m, span=span) if span else spec.replace(block_m=block_m)
+
+
+def _record(arch: str, plan: ForwardPlan, block_m: int, span: int = 0) -> PrewarmRecord:
+    """The report of candidate ``(block_m, span)``: the planner's verdict and role, and the
+    cache's outcome of the request that planning made for it (None: never asked, a static
+    reject)."""
+    verdict = plan.route.verdict(block_m, span)
+    outcome: Optional[CacheOutcome] = (plan.wide_outcomes.get((block_m, span)) if span
+                                       else plan.outcomes.get(block_m))
     result = outcome.result if outcome is not None else None
     extra = dict(result.meta.get("extra") or {}) if result is not None else {}
-    spec = plan.base.replace(block_m=block_m)
+    spec = _wide_spec(plan.base, block_m, span)
     status: Status
     reason = verdict.reason
     if outcome is not None and outcome.error is not None:
@@ -220,7 +229,7 @@ def _record(arch: str, plan: ForwardPlan, block_m: int) -> PrewarmRecord:
     return PrewarmRecord(
         arch=arch,
         block_m=block_m,
-        role=plan.route.role(block_m),
+        role=plan.route.role(block_m, span),
         status=status,
         reason=reason,
         registers=extra.get("registers", verdict.registers),
@@ -247,45 +256,58 @@ def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
     ``answers`` receives the cache's answer per M (``"disk"`` for an entry this call loaded),
     so the records of the plan that follows report it rather than the memory hit it causes."""
     banded = default_banded(spec.codebook) if banded is None else banded
-    misses: dict[int, CompileCacheMiss] = {}
+    misses: dict[tuple[int, int], CompileCacheMiss] = {}
 
-    def check(block_m: int) -> GeometryVerdict:
-        s = spec.replace(block_m=block_m)
+    def span_check(block_m: int, span: int) -> GeometryVerdict:
+        s = _wide_spec(spec, block_m, span)
         try:
             verdict, outcome = geometry_check_outcome(s, cache)  # a static rejection asks no cache
         except CompileCacheMiss as exc:
-            misses[block_m] = exc
+            misses[block_m, span] = exc
             return GeometryVerdict(block_m=block_m, ok=True)
-        if outcome is not None and outcome.result is not None:
+        if outcome is not None and outcome.result is not None and not span:
             answers.setdefault(block_m, outcome.result.status)
         return verdict
 
-    route = plan_routes(capacity, spec.topk, spec.num_experts, env, check, banded=banded)
+    route = plan_routes(capacity, spec.topk, spec.num_experts, env,
+                        lambda block_m: span_check(block_m, 0), banded=banded,
+                        span_check=span_check if plans_wide(spec) else None)
     if not misses:
         return None
     # What is on disk under each missing key: a corrupt entry, or one that does not load.
     corrupt = {str(e.get("key")): str(e.get("error", "its object does not load"))
                for e in cache.entries()}
     records = []
-    for m in [DECODE_BLOCK_M] + [c.block_m for c in route.candidates if c.block_m != DECODE_BLOCK_M]:
-        verdict, kernel = route.verdict(m), spec.replace(block_m=m).kernel_name()
-        miss = misses.get(m)
+    for m, span in _candidate_keys(route):
+        verdict = route.verdict(m, span)
+        kernel = _wide_spec(spec, m, span).kernel_name()
+        miss = misses.get((m, span))
         if miss is not None:
             why = corrupt.get(miss.key)
             reason = (f"corrupt cache entry {miss.key[:16]} ({why})" if why is not None
                       else f"not in the cache (key {miss.key[:16]})")
-            records.append(PrewarmRecord(arch=arch, block_m=m, role=route.role(m), status="failed",
-                                         reason=reason, kernel=kernel, key=miss.key))
+            records.append(PrewarmRecord(arch=arch, block_m=m, role=route.role(m, span),
+                                         status="failed", reason=reason, kernel=kernel,
+                                         key=miss.key))
             continue
         records.append(PrewarmRecord(
-            arch=arch, block_m=m, role=route.role(m),
+            arch=arch, block_m=m, role=route.role(m, span),
             status="cached" if verdict.ok else "rejected", reason=verdict.reason,
             registers=verdict.registers, shared_bytes=verdict.smem_bytes,
             spill_bytes=verdict.spills, cache="disk" if verdict.measured is not None else None,
             kernel=kernel, measured=verdict.measured))
-    error = (f"{len(misses)} planned specializations (M={', '.join(map(str, sorted(misses)))}) "
+    labels = ", ".join(f"{m}" + (f" x {n}" if n else "") for m, n in sorted(misses))
+    error = (f"{len(misses)} planned specializations (M={labels}) "
              "are missing from the frozen cache or corrupt")
     return ArchPrewarm(arch=arch, plan=None, records=records, error=error)
+
+
+def _candidate_keys(route) -> list[tuple[int, int]]:
+    """The decode record first (M=8, whichever question asked it), then the other candidates
+    in the order the planner asked: the prefill walk (widest first), a banded plan's sizes,
+    the wide rule's items; as ``(block_m, span)``."""
+    decode = (DECODE_BLOCK_M, 0)
+    return [decode] + [c.key for c in route.candidates if c.key != decode]
 
 
 def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv, banded: Optional[bool],
@@ -317,13 +339,10 @@ def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv, banded:
         rec = PrewarmRecord(arch=arch, block_m=m, role=role, status="failed",
                             reason=error_text(exc), kernel=spec.replace(block_m=m).kernel_name())
         return ArchPrewarm(arch=arch, plan=None, records=[rec], error=error_text(exc))
-    # The decode record first (M=8, whichever question asked it), then the other candidates
-    # in the order the planner asked: the prefill walk (widest first), then a banded plan's.
-    sizes = [DECODE_BLOCK_M] + [c.block_m for c in plan.route.candidates
-                                if c.block_m != DECODE_BLOCK_M]
-    records = [_record(arch, plan, m) for m in sizes]
+    records = [_record(arch, plan, m, span) for m, span in _candidate_keys(plan.route)]
     records = [dataclasses.replace(r, cache=first_answers[r.block_m])
-               if r.cache == "memory" and r.block_m in first_answers else r for r in records]
+               if r.cache == "memory" and r.block_m in first_answers
+               and not r.role.startswith("wide") else r for r in records]
     return ArchPrewarm(arch=arch, plan=plan, records=records, error=plan.error)
 
 
@@ -369,8 +388,12 @@ def prewarm_plans(
     arch_names = _normalize_archs(archs)
     env = resolve_env() if env is None else env
     cache = default_cache() if cache is None else cache
-    bound = candidate_bound(capacity, base.topk, base.num_experts, env)
-    counter = _Counter(progress, bound * len(arch_names))
+    def bound(arch: str) -> int:
+        spec = base.replace(arch=arch)
+        wide = (default_banded(spec.codebook) if banded is None else banded) and plans_wide(spec)
+        return candidate_bound(capacity, base.topk, base.num_experts, env, wide=wide)
+
+    counter = _Counter(progress, sum(bound(a) for a in arch_names))
     return [_prewarm_arch(base, a, capacity, env, banded, cache, counter) for a in arch_names]
 
 

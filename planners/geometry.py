@@ -42,6 +42,8 @@ class GeometryVerdict:
     ``measured``: ``True`` when registers / spills were read from the compiled object,
     ``False`` when they could not be (no cuobjdump): an accepted but *unmeasured*
     geometry, which :meth:`summary` says; ``None`` when not applicable.
+    ``span``: 0 for the block size's own default work item; ``n > 1`` for work items of
+    ``n`` route blocks that a plan asked about (``planners.plans``, the wide rule).
     """
 
     block_m: int
@@ -51,6 +53,12 @@ class GeometryVerdict:
     spills: Optional[int] = None
     smem_bytes: Optional[int] = None
     measured: Optional[bool] = None
+    span: int = 0
+
+    @property
+    def label(self) -> str:
+        """``"M=48"``, or ``"M=48 x 2"`` for a plan's work items of two route blocks."""
+        return f"M={self.block_m}" + (f" x {self.span}" if self.span > 1 else "")
 
     def __post_init__(self) -> None:
         if self.ok != (self.reason is None):
@@ -69,8 +77,8 @@ class GeometryVerdict:
             numbers.append("unmeasured: no cuobjdump, registers and spills not checked")
         detail = f" ({', '.join(numbers)})" if numbers else ""
         if self.ok:
-            return f"M={self.block_m}: ok{detail}"
-        return f"M={self.block_m}: rejected: {self.reason}{detail}"
+            return f"{self.label}: ok{detail}"
+        return f"{self.label}: rejected: {self.reason}{detail}"
 
 
 def _check_count(name: str, value: object, *, minimum: int) -> int:

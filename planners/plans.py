@@ -15,6 +15,9 @@ kernel, which is injected as a ``check(block_m) -> reason | None | GeometryVerdi
   :meth:`RoutePlan.band_for` is the one answer to "which M does a call with ``m`` tokens
   bind"; :meth:`RoutePlan.max_blocks` (a call's grid bound) and :attr:`RoutePlan.route_slots`
   (the scratch route list) are the route bounds a layer allocates and launches with.
+* the wide rule (:data:`WIDE_SPAN`, :func:`wide_from_m`, :func:`wide_block`): once the
+  average expert's routed rows fill the widest route block, a banded plan binds work items
+  of two route blocks of one expert, at the block size the policy picks for half the rows.
 * :func:`candidate_bound` -- how many candidates a plan can ask about (progress bars).
 * :func:`default_banded` -- which plan a layer gets when it asks for none: banded, or
   the decode / prefill pair (:data:`PAIR_PLAN_DECODES`).
@@ -31,7 +34,7 @@ Pure Python; no torch import.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Literal, Mapping, Optional, Union
 
 from ..kernels.format import codebook as codebook_record
@@ -61,6 +64,10 @@ __all__ = [
     "policy_runs",
     "PAIR_PLAN_DECODES",
     "default_banded",
+    "WIDE_SPAN",
+    "WIDE_FROM_ROWS",
+    "wide_from_m",
+    "wide_block",
 ]
 
 #: Codebook decodes (``format.Codebook.decode``) whose layers default to the decode /
@@ -81,6 +88,32 @@ def default_banded(codebook: str) -> bool:
     return codebook_record(codebook).decode not in PAIR_PLAN_DECODES
 
 
+#: The wide rule. Work items of WIDE_SPAN consecutive route blocks of one expert decode its
+#: weights once per N tile for all of their rows. Measured on the H200 for both codebooks
+#: (docs/benchmarks.md, "Span crossover"): they win once the average expert has more routed
+#: rows than the widest block holds (73 rows: -5 % sqg_e4m3, -14 % mcg against M=64) and
+#: lose below (55 rows: +19 % / +13 %; 37 rows: more), where most experts' rows fit one
+#: block and the second block of an item is padding.
+WIDE_SPAN = 2
+#: The wide rule binds from this many routed rows per expert on average: the widest block.
+WIDE_FROM_ROWS = ROUTE_BLOCK_SIZES[-1]
+
+
+def wide_from_m(topk: int, num_experts: int) -> int:
+    """The fewest tokens at which the wide rule binds: ``m * topk >= WIDE_FROM_ROWS * E``."""
+    _check_int("topk", topk, minimum=1)
+    _check_int("num_experts", num_experts, minimum=1)
+    return -(-WIDE_FROM_ROWS * num_experts // topk)
+
+
+def wide_block(m: int, topk: int, num_experts: int) -> int:
+    """The route block M of the wide rule's work items at ``m`` tokens: the policy's choice
+    for half of each expert's rows (``select_route_block_size_m`` over ``WIDE_SPAN * E``
+    experts), so an item's WIDE_SPAN blocks hold about what the average expert routes
+    (4,096 tokens, E=896, top-16: 73 rows -> M=48 x 2, 96 rows)."""
+    return select_route_block_size_m(m, topk, WIDE_SPAN * num_experts)
+
+
 #: Pins the prefill route block M (one of ROUTE_BLOCK_SIZES); ``0`` disables the prefill plan.
 ENV_PREFILL_BLOCK_M = "KQUANT_W4A16_PREFILL_BLOCK_M"
 #: The prefill plan binds only for ``m`` strictly above this (default 256, must be >= 8).
@@ -93,6 +126,8 @@ DECODE_BLOCK_M = ROUTE_BLOCK_SIZES[0]
 #: A geometry check: the reason the kernel rejects route block ``block_m`` (``None`` = ok), or
 #: a full :class:`GeometryVerdict` carrying the measured numbers.
 GeometryCheck = Callable[[int], Union[str, None, GeometryVerdict]]
+#: The same question for work items of ``span`` route blocks: ``check(block_m, span)``.
+SpanCheck = Callable[[int, int], Union[str, None, GeometryVerdict]]
 
 
 @dataclass(frozen=True)
@@ -166,19 +201,21 @@ def resolve_env(environ: Mapping[str, str] = os.environ) -> PlanEnv:
     return PlanEnv(pinned_block_m=pinned, prefill_disabled=disabled, prefill_min_m=min_m)
 
 
-def _as_verdict(block_m: int, result: Union[str, None, GeometryVerdict]) -> GeometryVerdict:
+def _as_verdict(block_m: int, result: Union[str, None, GeometryVerdict],
+                span: int = 0) -> GeometryVerdict:
     if isinstance(result, GeometryVerdict):
-        if result.block_m != block_m:
+        if result.block_m != block_m or result.span not in (0, span):
             raise ValueError(
-                f"geometry check for M={block_m} returned a verdict for M={result.block_m}"
+                f"geometry check for M={block_m} (span {span}) returned a verdict for "
+                f"{result.label}"
             )
-        return result
+        return result if result.span == span else replace(result, span=span)
     if result is None:
-        return GeometryVerdict(block_m=block_m, ok=True)
+        return GeometryVerdict(block_m=block_m, ok=True, span=span)
     if isinstance(result, str):
         if not result:
             raise ValueError(f"geometry check for M={block_m} returned an empty reason")
-        return GeometryVerdict(block_m=block_m, ok=False, reason=result)
+        return GeometryVerdict(block_m=block_m, ok=False, reason=result, span=span)
     raise TypeError(
         f"geometry check must return str | None | GeometryVerdict, got {type(result).__name__}"
     )
@@ -233,12 +270,14 @@ def choose_prefill_block(
 
 
 #: Why the planner asked the check about a size: the prefill fallback walk, the decode plan
-#: (M=8, when the walk did not ask), or a banded plan's size between the two.
-Purpose = Literal["prefill", "decode", "band"]
+#: (M=8, when the walk did not ask), a banded plan's size between the two, or the wide
+#: rule's work items of WIDE_SPAN blocks.
+Purpose = Literal["prefill", "decode", "band", "wide"]
 #: What a plan uses a token band's M for.
-BandRole = Literal["decode", "prefill", "band"]
-#: What a plan uses a candidate for: a band role, or a rejected walk / band candidate.
-CandidateRole = Literal["decode", "prefill", "band", "fallback-rejected", "band-rejected"]
+BandRole = Literal["decode", "prefill", "band", "wide"]
+#: What a plan uses a candidate for: a band role, or a rejected walk / band / wide candidate.
+CandidateRole = Literal["decode", "prefill", "band", "wide", "fallback-rejected", "band-rejected",
+                        "wide-rejected"]
 
 
 def policy_runs(lo: int, hi: int, topk: int, num_experts: int) -> list[tuple[int, int, int]]:
@@ -268,12 +307,14 @@ class TokenBand:
     Attributes:
         lo, hi: the inclusive token range.
         block_m: the route block rows M every call in the band binds.
-        role: ``"decode"`` (M=8), ``"prefill"`` (the prefill plan's M) or ``"band"`` (a banded
-            plan's size between the two).
+        role: ``"decode"`` (M=8), ``"prefill"`` (the prefill plan's M), ``"band"`` (a banded
+            plan's size between the two) or ``"wide"`` (the wide rule's work items).
         route_slots: :func:`~planners.policy.padded_route_slots` of ``hi * topk`` routes at
             ``block_m``: the most packed routes a call in the band produces.
         max_blocks: ``route_slots // block_m``: the most route blocks of a call in the band
             (a call with ``m`` tokens launches :meth:`RoutePlan.max_blocks` of ``m``, at most this).
+        span: 0 -- the specialization's own work item (its GEMM's default span); WIDE_SPAN
+            -- the wide rule's items of that many route blocks (role ``"wide"``).
     """
 
     lo: int
@@ -282,22 +323,31 @@ class TokenBand:
     role: BandRole
     route_slots: int
     max_blocks: int
+    span: int = 0
 
     @classmethod
     def build(cls, lo: int, hi: int, block_m: int, role: BandRole, topk: int,
-              num_experts: int) -> "TokenBand":
+              num_experts: int, span: int = 0) -> "TokenBand":
         """The band ``[lo, hi]`` at ``block_m`` with its route bounds from the policy."""
         slots = padded_route_slots(hi * topk, num_experts, block_m)
         return cls(lo=lo, hi=hi, block_m=block_m, role=role, route_slots=slots,
-                   max_blocks=slots // block_m)
+                   max_blocks=slots // block_m, span=span)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(block_m, span)``: the specialization the band binds."""
+        return (self.block_m, self.span)
 
     def __post_init__(self) -> None:
         _check_int("lo", self.lo, minimum=1)
         _check_int("hi", self.hi, minimum=self.lo)
         if self.block_m not in ROUTE_BLOCK_SIZES:
             raise ValueError(f"TokenBand: block_m {self.block_m} not in {ROUTE_BLOCK_SIZES}")
-        if self.role not in ("decode", "prefill", "band"):
+        if self.role not in ("decode", "prefill", "band", "wide"):
             raise ValueError(f"TokenBand: unknown role {self.role!r}")
+        if (self.role == "wide") != (self.span != 0) or self.span not in (0, WIDE_SPAN):
+            raise ValueError(f"TokenBand: span {self.span!r} is the wide role's "
+                             f"({WIDE_SPAN}), else 0")
         if (self.role == "decode") != (self.block_m == DECODE_BLOCK_M):
             raise ValueError(f"TokenBand: the decode role is exactly M={DECODE_BLOCK_M}")
         if self.max_blocks != self.route_slots // self.block_m:
@@ -320,6 +370,14 @@ class Candidate:
         return self.verdict.block_m
 
     @property
+    def span(self) -> int:
+        return self.verdict.span
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.verdict.block_m, self.verdict.span)
+
+    @property
     def ok(self) -> bool:
         return self.verdict.ok
 
@@ -336,13 +394,15 @@ class RoutePlan:
             the capacity not above the threshold, or the choice was M=8 itself).
         bands: the token bands, ascending, covering ``[1, capacity]``.
         candidates: every size the check was asked about, in the order asked: the fallback
-            walk (widest first), then M=8 unless the walk asked, then a banded plan's sizes.
+            walk (widest first), then M=8 unless the walk asked, then a banded plan's sizes,
+            then the wide rule's (block, WIDE_SPAN) items.
         notes: why the prefill plan is absent or how the plan was chosen.
         banded: the plan was asked for bands: when some size between M=8 and ``prefill_m`` is
             accepted, a call above the threshold binds the policy's M at its own ``m`` among
             those sizes and ``prefill_m`` (the next narrower one where the policy's is not
             among them, M=8 below the narrowest); otherwise (and without ``banded``) every
-            such call binds ``prefill_m``.
+            such call binds ``prefill_m``. A banded plan asked with a span check also binds
+            the wide rule from :func:`wide_from_m` tokens on, where its items are accepted.
     """
 
     capacity: int
@@ -367,27 +427,33 @@ class RoutePlan:
         if not self.bands or self.bands[0].lo != 1 or self.bands[-1].hi != self.capacity:
             raise ValueError(f"RoutePlan: the bands must cover [1, {self.capacity}]")
         for a, b in zip(self.bands, self.bands[1:]):
-            if b.lo != a.hi + 1 or b.block_m == a.block_m:
+            if b.lo != a.hi + 1 or b.key == a.key:
                 raise ValueError("RoutePlan: bands must be contiguous runs of distinct M")
         sizes = self.block_sizes
         for band in self.bands:
             if band != TokenBand.build(band.lo, band.hi, band.block_m, band.role, self.topk,
-                                       self.num_experts):
+                                       self.num_experts, band.span):
                 raise ValueError("RoutePlan: a band's route bounds disagree with the policy; "
                                  "use TokenBand.build")
-            if band.block_m not in sizes:
+            if band.span:
+                v = self.verdict(band.block_m, band.span)
+                if v is None or not v.ok or not self.banded:
+                    raise ValueError(f"RoutePlan: a wide band binds an accepted wide candidate "
+                                     f"of a banded plan, not M={band.block_m} x {band.span}")
+            elif band.block_m not in sizes:
                 raise ValueError(f"RoutePlan: band M={band.block_m} is no specialization of the plan")
-            if (band.role == "prefill") != (band.block_m == self.prefill_m):
+            if (band.role == "prefill") != (band.block_m == self.prefill_m and not band.span):
                 raise ValueError(f"RoutePlan: the prefill role is exactly M={self.prefill_m}")
             if band.lo <= self.prefill_min_m and band.block_m != DECODE_BLOCK_M:
                 raise ValueError(f"RoutePlan: m <= {self.prefill_min_m} must bind M={DECODE_BLOCK_M}")
-        if len({c.block_m for c in self.candidates}) != len(self.candidates):
+        if len({c.key for c in self.candidates}) != len(self.candidates):
             raise ValueError("RoutePlan: each size is a candidate at most once")
 
     # -- what the plan compiles -------------------------------------------------------------
-    def verdict(self, block_m: int) -> Optional[GeometryVerdict]:
-        """The check's answer for ``block_m``, or ``None`` if it was never asked."""
-        return next((c.verdict for c in self.candidates if c.block_m == block_m), None)
+    def verdict(self, block_m: int, span: int = 0) -> Optional[GeometryVerdict]:
+        """The check's answer for ``block_m`` (``span``: a wide candidate's), or ``None`` if
+        it was never asked."""
+        return next((c.verdict for c in self.candidates if c.key == (block_m, span)), None)
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -398,8 +464,14 @@ class RoutePlan:
             sizes.add(self.prefill_m)
             if self.banded:
                 sizes |= {c.block_m for c in self.candidates
-                          if c.ok and DECODE_BLOCK_M < c.block_m < self.prefill_m}
+                          if c.ok and not c.span and DECODE_BLOCK_M < c.block_m < self.prefill_m}
         return tuple(sorted(sizes))
+
+    @property
+    def wide_keys(self) -> tuple[tuple[int, int], ...]:
+        """The wide rule's specializations the bands bind, ``(block_m, span)``, ascending
+        (compiled beside :attr:`block_sizes`)."""
+        return tuple(sorted({b.key for b in self.bands if b.span}))
 
     @property
     def error(self) -> Optional[str]:
@@ -409,16 +481,17 @@ class RoutePlan:
             return f"the decode specialization is not implementable: {v.reason}"
         return None
 
-    def role(self, block_m: int) -> CandidateRole:
-        """What the plan uses candidate ``block_m`` for: ``"decode"`` (M=8, accepted or not),
-        ``"prefill"``, ``"band"``, or a rejected ``"fallback-rejected"`` / ``"band-rejected"``."""
-        if block_m == DECODE_BLOCK_M:
+    def role(self, block_m: int, span: int = 0) -> CandidateRole:
+        """What the plan uses candidate ``block_m`` (``span``: a wide one) for: ``"decode"``
+        (M=8, accepted or not), ``"prefill"``, ``"band"``, ``"wide"``, or a rejected
+        ``"fallback-rejected"`` / ``"band-rejected"`` / ``"wide-rejected"``."""
+        if block_m == DECODE_BLOCK_M and not span:
             return "decode"
-        c = next((c for c in self.candidates if c.block_m == block_m), None)
+        c = next((c for c in self.candidates if c.key == (block_m, span)), None)
         if c is None:
-            raise ValueError(f"M={block_m} is no candidate of this plan")
-        if c.purpose == "band":
-            return "band" if c.ok else "band-rejected"
+            raise ValueError(f"M={block_m} (span {span}) is no candidate of this plan")
+        if c.purpose in ("band", "wide"):
+            return c.purpose if c.ok else f"{c.purpose}-rejected"  # type: ignore[return-value]
         return "prefill" if c.ok else "fallback-rejected"
 
     # -- what a call binds ------------------------------------------------------------------
@@ -460,7 +533,8 @@ class RoutePlan:
         for band in self.bands:
             policy = ", ".join(f"M={size} for m in [{a:,}, {b:,}]" for a, b, size
                                in policy_runs(band.lo, band.hi, self.topk, self.num_experts))
-            lines.append(f"  m in [{band.lo:,}, {band.hi:,}]: {band.role} M={band.block_m} "
+            lines.append(f"  m in [{band.lo:,}, {band.hi:,}]: {band.role} M={band.block_m}"
+                         f"{f' x {band.span} route blocks per work item' if band.span else ''} "
                          f"({band.route_slots:,} route slots, {band.max_blocks:,} blocks)")
             lines.append(f"    policy alone would pick: {policy}")
         rejected = [c for c in self.candidates if not c.ok]
@@ -475,18 +549,25 @@ class RoutePlan:
         return "\n".join(lines)
 
 
-def candidate_bound(capacity: int, topk: int, num_experts: int, env: PlanEnv) -> int:
+def candidate_bound(capacity: int, topk: int, num_experts: int, env: PlanEnv, *,
+                    wide: bool = False) -> int:
     """Upper bound on the sizes :func:`plan_routes` asks the check about (progress bars).
 
     Every size asked is at most the prefill candidate (the pin, else the policy's choice at
     ``capacity``): the walk goes down from it, a banded plan asks the sizes below the accepted
-    one, and M=8 is the floor. Just M=8 when no prefill plan is possible.
+    one, and M=8 is the floor; with ``wide`` (a plan with a span check) the wide rule asks
+    each block it picks between :func:`wide_from_m` and ``capacity`` once. Just M=8 when no
+    prefill plan is possible.
     """
     _check_int("capacity", capacity, minimum=1)
     if env.prefill_disabled or capacity <= env.prefill_min_m:
         return 1
     top = env.pinned_block_m or select_route_block_size_m(capacity, topk, num_experts)
-    return sum(1 for s in ROUTE_BLOCK_SIZES if s <= top)
+    count = sum(1 for s in ROUTE_BLOCK_SIZES if s <= top)
+    lo = max(wide_from_m(topk, num_experts), env.prefill_min_m + 1)
+    if wide and env.pinned_block_m is None and capacity >= lo:
+        count += len(policy_runs(lo, capacity, topk, WIDE_SPAN * num_experts))
+    return count
 
 
 def plan_routes(
@@ -497,6 +578,7 @@ def plan_routes(
     check: GeometryCheck,
     *,
     banded: bool = True,
+    span_check: Optional[SpanCheck] = None,
 ) -> RoutePlan:
     """Plan the route block M of every call with up to ``capacity`` tokens.
 
@@ -510,6 +592,10 @@ def plan_routes(
     ``check`` is called at most once per size. ``banded`` is the default plan (a call binds
     about the M its own m needs, not the capacity's); ``banded=False`` is the decode / prefill pair.
     A pinned prefill M (``env.pinned_block_m``) binds every call above the threshold: no bands.
+    With ``span_check`` a banded plan also applies the wide rule: a call of at least
+    :func:`wide_from_m` tokens (and above the threshold) binds :func:`wide_block` x
+    :data:`WIDE_SPAN` where ``span_check(block, WIDE_SPAN)`` accepts it (blocks up to the
+    prefill M), else its band's M as without the rule.
 
     Raises:
         ValueError / TypeError: as :func:`choose_prefill_block`; any exception ``check``
@@ -517,14 +603,21 @@ def plan_routes(
     """
     _check_int("capacity", capacity, minimum=1)
     select_route_block_size_m(capacity, topk, num_experts)  # validate topk / num_experts
-    asked: dict[int, Candidate] = {}
+    asked: dict[tuple[int, int], Candidate] = {}
 
     def asking(purpose: Purpose) -> Callable[[int], GeometryVerdict]:
         def ask(block_m: int) -> GeometryVerdict:
-            if block_m not in asked:
-                asked[block_m] = Candidate(_as_verdict(block_m, check(block_m)), purpose)
-            return asked[block_m].verdict
+            if (block_m, 0) not in asked:
+                asked[block_m, 0] = Candidate(_as_verdict(block_m, check(block_m)), purpose)
+            return asked[block_m, 0].verdict
         return ask
+
+    def ask_wide(block_m: int) -> GeometryVerdict:
+        assert span_check is not None
+        if (block_m, WIDE_SPAN) not in asked:
+            verdict = _as_verdict(block_m, span_check(block_m, WIDE_SPAN), WIDE_SPAN)
+            asked[block_m, WIDE_SPAN] = Candidate(verdict, "wide")
+        return asked[block_m, WIDE_SPAN].verdict
 
     notes: list[str] = []
     prefill_m: Optional[int] = None
@@ -557,21 +650,45 @@ def plan_routes(
         else:  # nothing to band with: the pair's binding
             notes.append(f"banded: no accepted size between M={DECODE_BLOCK_M} and "
                          f"M={prefill_m}: every call above the threshold binds M={prefill_m}")
-    runs = [(1, capacity if prefill_m is None else env.prefill_min_m, DECODE_BLOCK_M)]
+    runs = [(1, capacity if prefill_m is None else env.prefill_min_m, DECODE_BLOCK_M, 0)]
     if prefill_m is not None and not between:
-        runs.append((env.prefill_min_m + 1, capacity, prefill_m))
+        runs.append((env.prefill_min_m + 1, capacity, prefill_m, 0))
     elif prefill_m is not None:
         sizes = between + [prefill_m]
         for a, b, want in policy_runs(env.prefill_min_m + 1, capacity, topk, num_experts):
-            runs.append((a, b, max((s for s in sizes if s <= want), default=DECODE_BLOCK_M)))
-    merged: list[tuple[int, int, int]] = []
-    for a, b, size in runs:
-        if merged and merged[-1][2] == size:
-            merged[-1] = (merged[-1][0], b, size)
+            runs.append((a, b, max((s for s in sizes if s <= want), default=DECODE_BLOCK_M), 0))
+    wide_lo = max(wide_from_m(topk, num_experts), env.prefill_min_m + 1)
+    if banded and prefill_m is not None and span_check is not None and capacity >= wide_lo:
+        wide = policy_runs(wide_lo, capacity, topk, WIDE_SPAN * num_experts)
+        split: list[tuple[int, int, int, int]] = []
+        for a, b, size, span in runs:
+            if b < wide_lo:
+                split.append((a, b, size, span))
+                continue
+            if a < wide_lo:
+                split.append((a, wide_lo - 1, size, span))
+            for c, d, block in wide:
+                lo, hi = max(a, c), min(b, d)
+                if lo > hi:
+                    continue
+                if block <= prefill_m and ask_wide(block).ok:
+                    split.append((lo, hi, block, WIDE_SPAN))
+                else:  # not accepted: the band's own binding at these m
+                    split.append((lo, hi, size, span))
+        runs = split
+        notes.append(f"wide: from m = {wide_lo:,} (the average expert's routed rows fill "
+                     f"M={WIDE_FROM_ROWS}) a call binds work items of {WIDE_SPAN} route blocks "
+                     f"of the policy's M for half the rows, where accepted")
+    merged: list[tuple[int, int, int, int]] = []
+    for a, b, size, span in runs:
+        if merged and merged[-1][2:] == (size, span):
+            merged[-1] = (merged[-1][0], b, size, span)
         else:
-            merged.append((a, b, size))
+            merged.append((a, b, size, span))
 
-    def role(size: int) -> BandRole:
+    def role(size: int, span: int) -> BandRole:
+        if span:
+            return "wide"
         return "decode" if size == DECODE_BLOCK_M else "prefill" if size == prefill_m else "band"
 
     return RoutePlan(
@@ -580,8 +697,8 @@ def plan_routes(
         num_experts=num_experts,
         prefill_min_m=env.prefill_min_m,
         prefill_m=prefill_m,
-        bands=tuple(TokenBand.build(a, b, size, role(size), topk, num_experts)
-                    for a, b, size in merged),
+        bands=tuple(TokenBand.build(a, b, size, role(size, span), topk, num_experts, span)
+                    for a, b, size, span in merged),
         candidates=tuple(asked.values()),
         notes=tuple(notes),
         banded=banded,

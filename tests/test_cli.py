@@ -239,14 +239,14 @@ def test_default_prewarms_what_a_default_layer_binds(warm: dict[str, Any], tmp_p
 
 def test_rejected_fallback_is_reported_not_fatal(tmp_path: Path) -> None:
     """A real rejection: an 8-stage pipeline at M=64 needs 106,496 B of shared memory, over
-    sm_120's 101,376 B, so the prefill falls back to M=48 (and exit status stays 0)."""
+    sm_120's 101,376 B per block (100,352 B beside the DSL's static 1,024 B), so the prefill falls back to M=48 (and exit status stays 0)."""
     rc, out, err = run_main(["--sm", "120", *SMALL, "--stages", "8", "--capacity", "4096",
                              "--cache-dir", str(tmp_path / "c"), "--json"])
     assert rc == 0, err
     recs = json.loads(out)
     assert [(r["block_m"], r["role"], r["status"]) for r in recs] == [
         (8, "decode", "compiled"), (64, "fallback-rejected", "rejected"), (48, "prefill", "compiled")]
-    assert "shared memory 106,496 B > 101,376 B" in recs[1]["reason"]  # rejected before compiling
+    assert "shared memory 106,496 B > 100,352 B" in recs[1]["reason"]  # rejected before compiling
     assert "2 compiled, 0 cached, 1 rejected, 0 failed" in err
 
 

@@ -137,25 +137,33 @@ def test_a_failed_build_rejects_with_its_error_and_a_frozen_miss_raises(monkeypa
 
 def test_compile_plan_attaches_accepted_entries_and_every_outcome(monkeypatch, tmp_path):
     """512 tokens, top-2, 8 experts: the policy's M at capacity is 64. M=48 measures too
-    many registers: the banded plan asks 64, 8, 16, 32, 48; compiles all; binds 8 / 16 / 32
-    / 64 and keeps the cache's answer for each of the five."""
+    many registers: the banded plan asks 64, 8, 16, 32, 48, then the wide rule (from 257
+    tokens, 64 rows per expert) 48 x 2 (to 345 tokens) and 64 x 2; compiles all; binds 8 /
+    16 / 32 / 64 and 64 x 2, and keeps the cache's answer for each of the seven."""
     fake = FakeBuild(overrides={48: {"registers": 300}}).install(monkeypatch)
     seen = []
     plan = compile_plan(SMALL, capacity=512, arch="sm_90", env=PlanEnv(),
                         cache=CompileCache(tmp_path), banded=True,
-                        observe=lambda s, o: seen.append((s.block_m, o is None)))
-    assert [m for _, m in fake.built] == [64, 8, 16, 32, 48]
-    assert seen == [(m, first) for m in (64, 8, 16, 32, 48) for first in (True, False)]
+                        observe=lambda s, o: seen.append((s.block_m, s.span, o is None)))
+    assert [m for _, m in fake.built] == [64, 8, 16, 32, 48, 48, 64]
+    asked = [(64, 1), (8, 1), (16, 1), (32, 2), (48, 1), (48, 2), (64, 2)]
+    assert seen == [(m, n, first) for m, n in asked for first in (True, False)]
     assert list(plan.entries) == [8, 16, 32, 64] and plan.error is None
+    assert list(plan.wide) == [(64, 2)] and plan.route.wide_keys == ((64, 2),)
     assert {m: o.result.status for m, o in plan.outcomes.items()} == dict.fromkeys(
         (64, 8, 16, 32, 48), "compiled")
+    assert {k: o.result.status for k, o in plan.wide_outcomes.items()} == dict.fromkeys(
+        ((48, 2), (64, 2)), "compiled")
     assert plan.decode.spec.block_m == 8 and plan.prefill.spec.block_m == 64
     assert all(p.spec.arch == "sm_90a" and p.spec.mma == "wgmma" for p in plan.entries.values())
-    for m in (1, 256, 300, 512):
+    for m in (1, 256, 300, 345):
         assert plan.plan_for(m) is plan.entries[plan.route.band_for(m).block_m]
+    assert plan.plan_for(300).spec.span == 1  # 48 x 2 rejected: the band's own M=64
+    assert plan.plan_for(346) is plan.plan_for(512) is plan.wide[64, 2]
+    assert plan.wide[64, 2].spec.span == 2 and plan.wide[64, 2].spec in plan.specs()
     plan.load()
     assert plan.decode.fn == ("loaded", f"object {plan.decode.spec.kernel_name()}")
-    assert "M=48: rejected: " in plan.describe()
+    assert "M=48: rejected: " in plan.describe() and "M=48 x 2: rejected: " in plan.describe()
 
 
 def test_compile_plan_again_is_served_by_the_cache(fake, tmp_path):
@@ -186,8 +194,10 @@ def test_describe_names_each_plans_gemm(fake, tmp_path):
     gemm = plan.describe().splitlines()[-1].strip()
     assert gemm.startswith("GEMM: ")
     parts = gemm.removeprefix("GEMM: ").split(", ")
-    assert [p.split()[0] for p in parts] == [f"M={m}" for m in plan.route.block_sizes]
-    # Only the span-2 plan (M=32 under wgmma) says it runs several route blocks per item.
-    spans = {m: SMALL.replace(block_m=m).span for m in plan.route.block_sizes}
-    assert [p.endswith("x 2 route blocks per work item") for p in parts] == [
-        spans[m] == 2 for m in plan.route.block_sizes]
+    assert [p.split()[0] for p in parts] == [f"M={m}" for m in plan.route.block_sizes] + [
+        f"M={m}" for m, _ in plan.route.wide_keys]
+    assert plan.route.wide_keys == ((48, 2), (64, 2))  # the wide rule from 257 tokens
+    # Only the span-2 plans (M=32 under wgmma, the wide rule's) say they run several route
+    # blocks per item.
+    spans = [SMALL.replace(block_m=m).span for m in plan.route.block_sizes] + [2, 2]
+    assert [p.endswith("x 2 route blocks per work item") for p in parts] == [n == 2 for n in spans]

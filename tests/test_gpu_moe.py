@@ -336,26 +336,31 @@ def test_cpu_prewarmed_cache_frozen_matches_jit(tmp_path):
 
 def test_banded_plan_is_bitwise_equal_to_the_pair():
     """Above the threshold the banded plan binds the policy's M at each call's own m (the
-    pair binds the capacity's M=64), and its outputs equal the pair's bit for bit."""
+    pair binds the capacity's M=64), from 512 tokens (64 routed rows per expert) the wide
+    rule's work items of two blocks (600 tokens: M=48 x 2; 700, 1,024: M=64 x 2), and its
+    outputs equal the pair's bit for bit."""
     from kquant_cute.layer import MoELayer
-    from kquant_cute.planners import select_route_block_size_m
+    from kquant_cute.planners import select_route_block_size_m, wide_block, wide_from_m
     from kquant_cute.weights import MoEWeights
 
     wts = MoEWeights.random(64, H_SMALL, I_SMALL, 4, "mcg", shared_hidden_vectors=True, seed=8,
                             device="cuda")
     pair = MoELayer(wts, topk=8, capacity=1024, environ={}, banded=False)
     banded = MoELayer(wts, topk=8, capacity=1024, environ={})  # the default
+    assert wide_from_m(8, 64) == 512
     picked = {}
-    for m in (300, 700, 1024):
+    for m in (300, 511, 600, 700, 1024):
         x, ids, w = _inputs(m, H_SMALL, 8, 64, torch.bfloat16, seed=m)
         b1, b2 = pair.bind(x, ids, w), banded.bind(x, ids, w)
-        assert b1.block_m == 64
-        assert b2.block_m == select_route_block_size_m(m, 8, 64)
-        picked[m] = b2.block_m
+        assert b1.block_m == 64 and b1.plan.spec.span == 1
+        wide = m >= 512
+        want = wide_block(m, 8, 64) if wide else select_route_block_size_m(m, 8, 64)
+        assert b2.block_m == want and (b2.plan.spec.span == 2) == wide, m
+        picked[m] = (b2.block_m, b2.plan.spec.span)
         out1 = _run(pair, x, ids, w).clone()
         out2 = _run(banded, x, ids, w).clone()
-        assert torch.equal(out1, out2), f"m={m}: banded M={b2.block_m} vs pair M={b1.block_m}"
-    assert picked[300] < 64  # banding really narrowed M somewhere
+        assert torch.equal(out1, out2), f"m={m}: banded {picked[m]} vs pair M={b1.block_m}"
+    assert picked[300][0] < 64 and picked[600] == (48, 2)  # banding and the wide rule bound
 
 
 @pytest.mark.parametrize("act_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16),

@@ -69,12 +69,13 @@ def _resources(spec, cache):
 @needs_cuobjdump
 def test_sm120_rejects_wide_block_that_sm90_accepts(cache):
     """An 8-stage pipeline at M=64 needs 106,496 B of dynamic shared memory: over sm_120's
-    101,376 B per-block limit, inside sm_90's 232,448 B. The planner falls back to 48."""
+    101,376 B per-block limit (100,352 B dynamic beside the DSL's 1,024 B static), inside
+    sm_90's 232,448 B. The planner falls back to 48."""
     base = DEFAULT_GEOMETRY.replace(stages=8)
     v90 = geometry_check(base.replace(block_m=64, arch="sm_90a"), cache)
     v120 = geometry_check(base.replace(block_m=64, arch="sm_120a"), cache)
     assert v90.ok
-    assert not v120.ok and "shared memory" in v120.reason and "101,376" in v120.reason
+    assert not v120.ok and "shared memory" in v120.reason and "100,352" in v120.reason
     env = resolve_env({})
     # The decode/prefill pair plan (banded=False): the fallback walk alone, no band candidates.
     p90 = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache, banded=False)
@@ -123,18 +124,24 @@ def test_static_rejections_name_the_reason():
 @needs_cuobjdump
 def test_banded_plan_binds_the_policy_choice_per_call(cache):
     """The default (banded) plan: above the threshold a call binds the policy's M at its own
-    m (the pair plan, banded=False, binds the capacity's M=64 for every m > 256). The
-    policy reads m, topk and E only, so the default geometry's specializations (built by
-    test_default_geometry_compiles_for_every_block in this module's cache) serve."""
+    m (the pair plan, banded=False, binds the capacity's M=64 for every m > 256), and from
+    3,584 tokens the wide rule's M=48 x 2. The policy reads m, topk and E only, so the
+    default geometry's specializations (built by test_default_geometry_compiles_for_every_block
+    in this module's cache) serve; the wide one is compiled here, resources measured."""
     base = DEFAULT_GEOMETRY.replace(arch="sm_90a")
     env = resolve_env({})
     pair = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache, banded=False)
     banded = plan_forward(base, capacity=4096, arch="sm_90", env=env, cache=cache)
     assert banded.route.block_sizes == (8, 16, 32, 48, 64) and list(banded.entries) == [8, 16, 32, 48, 64]
     picks = {m: banded.plan_for(m).spec.block_m for m in (1, 256, 257, 512, 1536, 2048, 4096)}
-    assert picks == {1: 8, 256: 8, 257: 8, 512: 16, 1536: 32, 2048: 48, 4096: 64}
+    assert picks == {1: 8, 256: 8, 257: 8, 512: 16, 1536: 32, 2048: 48, 4096: 48}
     assert all(banded.plan_for(m).spec.block_m == b.block_m
                for b in banded.route.bands for m in (b.lo, b.hi))
+    assert banded.route.wide_keys == ((48, 2),) and banded.route.band_for(3583).key == (64, 0)
+    wide = banded.plan_for(4096)
+    assert wide is banded.wide[48, 2] and wide.spec.span == 2 and wide.spec.mma == "wgmma"
+    verdict = banded.route.verdict(48, 2)
+    assert verdict.ok and verdict.measured and verdict.spills == 0
     assert {m: pair.plan_for(m).spec.block_m for m in (256, 257, 512)} == {256: 8, 257: 64, 512: 64}
     assert "banded" in banded.describe()
 
@@ -203,13 +210,14 @@ def test_sqg_e4m3_compiles_with_its_state_table(arch, cache):
         gemm = {k["kernel"]: k for k in _resources(spec, cache)["kernels"]}[name]
         dynamic = spec.dynamic_smem()[name]
         assert gemm["shared"] >= dynamic > TABLE_BYTES
+        # Per CTA: the measured static + dynamic bytes and the driver's 1,024 B reservation.
         ctas = spec.gemm_resident_ctas()
-        assert ctas * (dynamic + 1024) <= per_sm < (ctas + 1) * (dynamic + 1024)
+        assert ctas * (gemm["shared"] + 1024) <= per_sm < (ctas + 1) * (gemm["shared"] + 1024)
         assert spec.table_decode == "direct"
     if arch == "sm_120a":
         reason = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=4, block_m=64,
                                           arch=arch).check()
-        assert "64 KiB sqg_e4m3 state table" in reason and "101,376" in reason
+        assert "64 KiB sqg_e4m3 state table" in reason and "100,352" in reason
 
 
 @needs_cuobjdump
@@ -374,7 +382,7 @@ def test_mixed_rate_rejections_name_the_reason():
     say why."""
     base = DEFAULT_GEOMETRY.replace(block_m=8, **MIXED)
     reason = base.replace(arch="sm_120a", table_decode="direct").check()
-    assert "128 KiB of sqg_e4m3 state tables for K 3, 4" in reason and "101,376" in reason
+    assert "128 KiB of sqg_e4m3 state tables for K 3, 4" in reason and "100,352" in reason
     with pytest.raises(ValueError, match="decode specialization is not implementable: "
                                          "shared memory .* state tables"):
         plan_forward(base.replace(table_decode="direct"), capacity=64, arch="sm_120",
@@ -437,17 +445,18 @@ def test_sub_kernels_answer_the_same_questions():
             assert (k.threads, k.smem_bytes) == spec.kernel_launches()[sub.name]
         assert spec.dynamic_smem()[gemm] == smem
     # A sub-kernel's own reason surfaces through the spec, with its numbers, against its own
-    # arch's limit (sm_120: 101,376 B per block; sm_90: 232,448 B): 40,000 experts need
+    # arch's dynamic limit (the per-block limit less the DSL's 1,024 B of static shared
+    # memory; sm_120: 101,376 - 1,024 B; sm_90: 232,448 - 1,024 B): 40,000 experts need
     # 4 x (80,000 + 2,048) + 64 B to pack; a wgmma work item of 2 x 64 rows with 8 stages
     # needs 8 x 128 x 128 B of A ring and 8 x 4,096 B of B ring, after two 64 KiB tables.
     assert DEFAULT_GEOMETRY.replace(num_experts=40000, arch="sm_120a").check() == (
-        "route pack needs 328,256 B shared memory > 101,376 B per-block limit")
+        "route pack needs 328,256 B shared memory > 100,352 B per-block limit")
     assert DEFAULT_GEOMETRY.replace(activation="gelu").check() == (
         "activation 'gelu' not in ('silu', 'situ')")
     wg = DEFAULT_GEOMETRY.replace(block_m=64, mma="wgmma", span=2, stages=8, arch="sm_90a",
                                   codebook="sqg_e4m3", bits_set=(3, 4))
     assert wg.check() == ("shared memory 294,912 B (incl. the 128 KiB of sqg_e4m3 state tables "
-                          "for K 3, 4) > 232,448 B per-block limit")
+                          "for K 3, 4) > 231,424 B per-block limit")
 
 
 def test_unmeasured_resources_are_reported_not_passed(tmp_path, monkeypatch, capsys):

@@ -14,6 +14,7 @@ from kquant_cute.planners import (
     GeometryVerdict,
     PlanEnv,
     RoutePlan,
+    WIDE_SPAN,
     TokenBand,
     arch_limits,
     candidate_bound,
@@ -25,6 +26,8 @@ from kquant_cute.planners import (
     policy_runs,
     resolve_env,
     select_route_block_size_m,
+    wide_block,
+    wide_from_m,
 )
 from kquant_cute.planners.geometry import geometry_verdict
 
@@ -455,6 +458,10 @@ def test_plan_properties(environ, banded):
 
 def test_candidate_bound():
     assert candidate_bound(8192, 16, 896, PlanEnv()) == 5
+    assert candidate_bound(8192, 16, 896, PlanEnv(), wide=True) == 7  # and 48 x 2, 64 x 2
+    assert candidate_bound(4096, 16, 896, PlanEnv(), wide=True) == 6  # and 48 x 2
+    assert candidate_bound(3583, 16, 896, PlanEnv(), wide=True) == 5  # below 64 rows / expert
+    assert candidate_bound(8192, 16, 896, PlanEnv(pinned_block_m=16), wide=True) == 2
     assert candidate_bound(1536, 16, 896, PlanEnv()) == 3  # policy M=32: 32, 16, 8
     assert candidate_bound(8192, 16, 896, PlanEnv(pinned_block_m=16)) == 2
     assert candidate_bound(8192, 16, 896, PlanEnv(prefill_disabled=True)) == 1
@@ -488,3 +495,62 @@ def test_default_plan_follows_the_pair_plan_decodes(monkeypatch) -> None:
         with pytest.raises(Stop):
             compiler.plan_forward(spec, capacity=4096, arch="sm_90", env=PlanEnv(), banded=banded)
     assert asked == [True, False, True, False]
+
+
+def test_wide_rule_binds_two_block_items_from_64_rows_per_expert():
+    """The reference geometry (E=896, top-16): from 3,584 tokens (64 routed rows per expert
+    on average, the widest block full) a banded plan binds work items of two route blocks at
+    the policy's M for half the rows: M=48 x 2 up to 4,838 tokens, then M=64 x 2. Below
+    3,584 tokens every call binds what it binds without the rule."""
+    asked = []
+
+    def span_check(block_m, span):
+        asked.append((block_m, span))
+        return None
+
+    plan = plan_routes(8192, 16, 896, PlanEnv(), lambda m: None, span_check=span_check)
+    plain = plan_routes(8192, 16, 896, PlanEnv(), lambda m: None)
+    assert wide_from_m(16, 896) == 3584 and WIDE_SPAN == 2
+    assert asked == [(48, 2), (64, 2)]
+    assert plan.wide_keys == ((48, 2), (64, 2)) and plan.block_sizes == plain.block_sizes
+    assert [(b.lo, b.hi, b.key, b.role) for b in plan.bands if b.span] == [
+        (3584, 4838, (48, 2), "wide"), (4839, 8192, (64, 2), "wide")]
+    assert plan.band_for(3583).key == plain.band_for(3583).key == (64, 0)
+    for m in range(1, 3584, 61):
+        assert plan.band_for(m).key == plain.band_for(m).key, m
+    for m in (3584, 4096, 4838, 4839, 8192):
+        band = plan.band_for(m)
+        assert band.key == (wide_block(m, 16, 896), 2), m
+        assert plan.max_blocks(m) == max_route_blocks(m * 16, 896, band.block_m)
+    assert plan.route_slots == max(b.route_slots for b in plan.bands)
+    assert plan.role(48, 2) == "wide" and plan.role(48) == "band" and plan.verdict(48, 2).ok
+    text = plan.describe()
+    assert "m in [3,584, 4,838]: wide M=48 x 2 route blocks per work item" in text
+    assert "accepted geometry: M=48 x 2: ok" in text and "note: wide: from m = 3,584" in text
+
+
+def test_wide_rule_falls_back_where_rejected_and_stays_off_where_not_asked():
+    """A rejected wide item leaves those calls on their band's own M (the role says
+    "wide-rejected"); the rule is off without a span check, for the decode / prefill pair,
+    with a pinned prefill M, below 3,584 tokens and with the prefill plan disabled."""
+    plain = plan_routes(8192, 16, 896, PlanEnv(), lambda m: None)
+    plan = plan_routes(8192, 16, 896, PlanEnv(), lambda m: None,
+                       span_check=lambda m, n: "too many registers" if m == 48 else None)
+    for m in (3584, 4096, 4838):
+        assert plan.band_for(m).key == plain.band_for(m).key == (64, 0), m
+    assert plan.band_for(4839).key == (64, 2) and plan.wide_keys == ((64, 2),)
+    assert plan.role(48, 2) == "wide-rejected" and plan.verdict(48, 2).reason == "too many registers"
+    assert "M=48 x 2: rejected: too many registers" in plan.describe()
+
+    def never(block_m, span):
+        raise AssertionError(f"asked about M={block_m} x {span}")
+
+    for p in (plan_routes(8192, 16, 896, PlanEnv(), lambda m: None, banded=False, span_check=never),
+              plan_routes(8192, 16, 896, PlanEnv(pinned_block_m=64), lambda m: None,
+                          span_check=never),
+              plan_routes(3583, 16, 896, PlanEnv(), lambda m: None, span_check=never),
+              plan_routes(8192, 16, 896, PlanEnv(prefill_disabled=True), lambda m: None,
+                          span_check=never)):
+        assert p.wide_keys == () and not any(b.span for b in p.bands)
+    with pytest.raises(ValueError, match="wide band binds an accepted wide candidate"):
+        dataclasses.replace(plan, candidates=tuple(c for c in plan.candidates if c.span == 0))

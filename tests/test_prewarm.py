@@ -29,16 +29,19 @@ def _rows(records):
 
 def test_records_follow_the_plan_decode_first(monkeypatch, tmp_path):
     """512 tokens, 8 experts, top-2: the walk starts at the policy's M=64; M=48 is rejected
-    on measured registers, M=16's build fails; the decode is reported first, then the
-    candidates in the order the planner asked (the walk, then the bands)."""
+    on measured registers (and so is the wide rule's 48 x 2), M=16's build fails; the decode
+    is reported first, then the candidates in the order the planner asked (the walk, the
+    bands, then the wide rule's items from 257 tokens: 48 x 2, 64 x 2)."""
     FakeBuild(overrides={48: {"registers": 300}}, fail=(16,)).install(monkeypatch)
     records = prewarm(SMALL, archs=["sm_90"], capacity=512, env=PlanEnv(),
                       cache=CompileCache(tmp_path), banded=True)
     assert _rows(records) == [
         ("sm_90a", 8, "decode", "compiled"), ("sm_90a", 64, "prefill", "compiled"),
         ("sm_90a", 16, "band-rejected", "failed"), ("sm_90a", 32, "band", "compiled"),
-        ("sm_90a", 48, "band-rejected", "rejected")]
-    by_m = {r.block_m: r for r in records}
+        ("sm_90a", 48, "band-rejected", "rejected"), ("sm_90a", 48, "wide-rejected", "rejected"),
+        ("sm_90a", 64, "wide", "compiled")]
+    assert [r.span for r in records[-2:]] == [2, 2]
+    by_m = {r.block_m: r for r in records if not r.role.startswith("wide")}
     assert by_m[16].reason == "compile failed: RuntimeError: ptxas died at M=16"
     assert by_m[16].cache is None and by_m[16].registers is None
     assert "TrellisWgmma: 300 registers per thread > 255 limit of sm_90" in by_m[48].reason.split("; ")
@@ -46,7 +49,8 @@ def test_records_follow_the_plan_decode_first(monkeypatch, tmp_path):
     assert by_m[8].reason is None and by_m[8].measured and by_m[8].key
     assert by_m[32].mma == "wgmma" and by_m[32].span == SMALL.replace(block_m=32).span
     assert all(r.kernel == SMALL.replace(block_m=r.block_m, arch="sm_90a").kernel_name()
-               for r in records)
+               for r in records[:-2])
+    assert records[-1].kernel == SMALL.replace(block_m=64, span=2, arch="sm_90a").kernel_name()
     assert needed_failures(records) == []  # the failures are band candidates, not bound
     assert set(records[0].as_dict()) >= {"arch", "block_m", "role", "status", "reason", "cache"}
 
