@@ -31,7 +31,7 @@ from .compiler import CacheOutcome, ForwardPlan, compile_plan, geometry_check_ou
 from .defaults import DEFAULT_CAPACITY, REFERENCE_LAYER
 from .kernels.moe import MoESpec
 from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, candidate_bound, default_banded,
-                        normalize_arch, plan_routes, resolve_env)
+                        normalize_arch, plan_routes, resolve_env, widest_wide)
 from .planners.plans import CandidateRole
 
 __all__ = [
@@ -271,7 +271,8 @@ def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
 
     route = plan_routes(capacity, spec.topk, spec.num_experts, env,
                         lambda block_m: span_check(block_m, 0), banded=banded,
-                        span_check=span_check if plans_wide(spec) else None)
+                        span_check=span_check if plans_wide(spec) else None,
+                        wide_widest=widest_wide(spec.codebook))
     if not misses:
         return None
     # What is on disk under each missing key: a corrupt entry, or one that does not load.
@@ -391,7 +392,8 @@ def prewarm_plans(
     def bound(arch: str) -> int:
         spec = base.replace(arch=arch)
         wide = (default_banded(spec.codebook) if banded is None else banded) and plans_wide(spec)
-        return candidate_bound(capacity, base.topk, base.num_experts, env, wide=wide)
+        return candidate_bound(capacity, base.topk, base.num_experts, env, wide=wide,
+                               widest=widest_wide(spec.codebook))
 
     counter = _Counter(progress, sum(bound(a) for a in arch_names))
     return [_prewarm_arch(base, a, capacity, env, banded, cache, counter) for a in arch_names]

@@ -17,7 +17,8 @@ kernel, which is injected as a ``check(block_m) -> reason | None | GeometryVerdi
   (the scratch route list) are the route bounds a layer allocates and launches with.
 * the wide rule (:data:`WIDE_SPAN`, :func:`wide_from_m`, :func:`wide_block`): once the
   average expert's routed rows fill the widest route block, a banded plan binds work items
-  of two route blocks of one expert, at the block size the policy picks for half the rows.
+  of two route blocks of one expert, at the block size the policy picks for half the rows
+  (table decodes, :data:`WIDEST_WIDE_DECODES`: at the widest block).
 * :func:`candidate_bound` -- how many candidates a plan can ask about (progress bars).
 * :func:`default_banded` -- which plan a layer gets when it asks for none: banded, or
   the decode / prefill pair (:data:`PAIR_PLAN_DECODES`).
@@ -68,6 +69,8 @@ __all__ = [
     "WIDE_FROM_ROWS",
     "wide_from_m",
     "wide_block",
+    "WIDEST_WIDE_DECODES",
+    "widest_wide",
 ]
 
 #: Codebook decodes (``format.Codebook.decode``) whose layers default to the decode /
@@ -106,11 +109,32 @@ def wide_from_m(topk: int, num_experts: int) -> int:
     return -(-WIDE_FROM_ROWS * num_experts // topk)
 
 
-def wide_block(m: int, topk: int, num_experts: int) -> int:
+#: Codebook decodes (``format.Codebook.decode``) whose wide items take the widest block
+#: instead of the policy's M for half the rows: one decode per item costs these more than
+#: the extra padded MMA rows do (H200, 4,096 tokens: sqg_e4m3 M=64 x 2 1.1 and 1.3 % faster
+#: than 48 x 2 in two runs, mcg 48 x 2 1.5-3 % faster than 64 x 2; docs/benchmarks.md).
+WIDEST_WIDE_DECODES: tuple[str, ...] = ("table",)
+
+
+def widest_wide(codebook: str) -> bool:
+    """Whether a layer of ``codebook`` takes the widest block for its wide items
+    (:data:`WIDEST_WIDE_DECODES`).
+
+    Raises:
+        ValueError: for an unknown codebook.
+    """
+    return codebook_record(codebook).decode in WIDEST_WIDE_DECODES
+
+
+def wide_block(m: int, topk: int, num_experts: int, widest: bool = False) -> int:
     """The route block M of the wide rule's work items at ``m`` tokens: the policy's choice
     for half of each expert's rows (``select_route_block_size_m`` over ``WIDE_SPAN * E``
     experts), so an item's WIDE_SPAN blocks hold about what the average expert routes
-    (4,096 tokens, E=896, top-16: 73 rows -> M=48 x 2, 96 rows)."""
+    (4,096 tokens, E=896, top-16: 73 rows -> M=48 x 2, 96 rows); with ``widest`` the widest
+    block (:func:`widest_wide`)."""
+    if widest:
+        select_route_block_size_m(m, topk, num_experts)  # validate the arguments
+        return ROUTE_BLOCK_SIZES[-1]
     return select_route_block_size_m(m, topk, WIDE_SPAN * num_experts)
 
 
@@ -550,14 +574,14 @@ class RoutePlan:
 
 
 def candidate_bound(capacity: int, topk: int, num_experts: int, env: PlanEnv, *,
-                    wide: bool = False) -> int:
+                    wide: bool = False, widest: bool = False) -> int:
     """Upper bound on the sizes :func:`plan_routes` asks the check about (progress bars).
 
     Every size asked is at most the prefill candidate (the pin, else the policy's choice at
     ``capacity``): the walk goes down from it, a banded plan asks the sizes below the accepted
     one, and M=8 is the floor; with ``wide`` (a plan with a span check) the wide rule asks
-    each block it picks between :func:`wide_from_m` and ``capacity`` once. Just M=8 when no
-    prefill plan is possible.
+    each block it picks between :func:`wide_from_m` and ``capacity`` once (``widest``: one).
+    Just M=8 when no prefill plan is possible.
     """
     _check_int("capacity", capacity, minimum=1)
     if env.prefill_disabled or capacity <= env.prefill_min_m:
@@ -566,7 +590,7 @@ def candidate_bound(capacity: int, topk: int, num_experts: int, env: PlanEnv, *,
     count = sum(1 for s in ROUTE_BLOCK_SIZES if s <= top)
     lo = max(wide_from_m(topk, num_experts), env.prefill_min_m + 1)
     if wide and env.pinned_block_m is None and capacity >= lo:
-        count += len(policy_runs(lo, capacity, topk, WIDE_SPAN * num_experts))
+        count += 1 if widest else len(policy_runs(lo, capacity, topk, WIDE_SPAN * num_experts))
     return count
 
 
@@ -579,6 +603,7 @@ def plan_routes(
     *,
     banded: bool = True,
     span_check: Optional[SpanCheck] = None,
+    wide_widest: bool = False,
 ) -> RoutePlan:
     """Plan the route block M of every call with up to ``capacity`` tokens.
 
@@ -594,8 +619,9 @@ def plan_routes(
     A pinned prefill M (``env.pinned_block_m``) binds every call above the threshold: no bands.
     With ``span_check`` a banded plan also applies the wide rule: a call of at least
     :func:`wide_from_m` tokens (and above the threshold) binds :func:`wide_block` x
-    :data:`WIDE_SPAN` where ``span_check(block, WIDE_SPAN)`` accepts it (blocks up to the
-    prefill M), else its band's M as without the rule.
+    :data:`WIDE_SPAN` (``wide_widest``: at the widest block) where ``span_check(block,
+    WIDE_SPAN)`` accepts it (blocks up to the prefill M), else its band's M as without the
+    rule.
 
     Raises:
         ValueError / TypeError: as :func:`choose_prefill_block`; any exception ``check``
@@ -659,7 +685,8 @@ def plan_routes(
             runs.append((a, b, max((s for s in sizes if s <= want), default=DECODE_BLOCK_M), 0))
     wide_lo = max(wide_from_m(topk, num_experts), env.prefill_min_m + 1)
     if banded and prefill_m is not None and span_check is not None and capacity >= wide_lo:
-        wide = policy_runs(wide_lo, capacity, topk, WIDE_SPAN * num_experts)
+        wide = ([(wide_lo, capacity, ROUTE_BLOCK_SIZES[-1])] if wide_widest
+                else policy_runs(wide_lo, capacity, topk, WIDE_SPAN * num_experts))
         split: list[tuple[int, int, int, int]] = []
         for a, b, size, span in runs:
             if b < wide_lo:
@@ -678,7 +705,8 @@ def plan_routes(
         runs = split
         notes.append(f"wide: from m = {wide_lo:,} (the average expert's routed rows fill "
                      f"M={WIDE_FROM_ROWS}) a call binds work items of {WIDE_SPAN} route blocks "
-                     f"of the policy's M for half the rows, where accepted")
+                     + ("of the widest M" if wide_widest else "of the policy's M for half the rows")
+                     + ", where accepted")
     merged: list[tuple[int, int, int, int]] = []
     for a, b, size, span in runs:
         if merged and merged[-1][2:] == (size, span):
