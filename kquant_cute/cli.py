@@ -209,7 +209,8 @@ def format_table(records: Sequence[PrewarmRecord]) -> str:
     """One row per specialization: arch, M, role, status, regs, smem, spill, seconds, reason."""
     head = ("arch", "M", "role", "status", "regs", "smem B", "spill B", "seconds", "reason")
     rows = [head] + [
-        (r.arch, str(r.block_m) + (f" x {r.span}" if r.role.startswith("wide") else ""), r.role, r.status + (" (built)" if r.cache == "compiled" and not r.ok else "")
+        (r.arch, str(r.block_m) + (f" x {r.span}" if r.role.startswith("wide") else ""), r.role,
+         r.status + (" (built)" if r.cache == "compiled" and not r.ok else "")
          + (" (unmeasured)" if r.measured is False else ""),
          _num(r.registers), _num(r.shared_bytes), _num(r.spill_bytes), f"{r.seconds:.2f}",
          _clip(r.reason or "", REASON_WIDTH))

@@ -49,6 +49,12 @@ def describe_gemm(plans) -> str:
         for block_m, mma, span in plans)
 
 
+def candidate_spec(spec: MoESpec, block_m: int, span: int = 0) -> MoESpec:
+    """`spec` at plan candidate `(block_m, span)`: span 0 is the block's own work item (the
+    span `spec` asked for, resolved again), n > 1 the wide rule's items of n blocks."""
+    return spec.replace(block_m=block_m, span=span) if span else spec.replace(block_m=block_m)
+
+
 def plans_wide(spec: MoESpec) -> bool:
     """Whether `spec`'s banded plan applies the wide rule (`planners.plans.WIDE_SPAN`): its
     span is not pinned (asked for 0) and its GEMM runs work items of that many blocks."""
@@ -269,8 +275,8 @@ class ForwardPlan:
 
     def describe(self, scratch_bytes=None) -> str:
         text = self.route.describe(scratch_bytes=scratch_bytes)
-        specs = ([self.base.replace(block_m=m) for m in self.route.block_sizes]
-                 + [self.base.replace(block_m=m, span=n) for m, n in self.route.wide_keys])
+        keys = [(m, 0) for m in self.route.block_sizes] + list(self.route.wide_keys)
+        specs = [candidate_spec(self.base, m, n) for m, n in keys]
         return text + "\n  " + describe_gemm((s.block_m, s.mma, s.span) for s in specs)
 
 
@@ -295,20 +301,16 @@ def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] =
     outcomes: dict[int, CacheOutcome] = {}
     wide_outcomes: dict[tuple[int, int], CacheOutcome] = {}
 
-    def check(block_m: int) -> GeometryVerdict:
-        verdict, outcome = _check(base.replace(block_m=block_m), cache, observe)
-        if outcome is not None:
+    def check(block_m: int, span: int = 0) -> GeometryVerdict:
+        verdict, outcome = _check(candidate_spec(base, block_m, span), cache, observe)
+        if outcome is not None and span:
+            wide_outcomes[block_m, span] = outcome
+        elif outcome is not None:
             outcomes[block_m] = outcome
         return verdict
 
-    def span_check(block_m: int, span: int) -> GeometryVerdict:
-        verdict, outcome = _check(base.replace(block_m=block_m, span=span), cache, observe)
-        if outcome is not None:
-            wide_outcomes[block_m, span] = outcome
-        return verdict
-
     route = plan_routes(capacity, base.topk, base.num_experts, env, check, banded=banded,
-                        span_check=span_check if plans_wide(base) else None,
+                        span_check=check if plans_wide(base) else None,
                         wide_widest=widest_wide(base.codebook))
     entries = {}
     for m in route.block_sizes:

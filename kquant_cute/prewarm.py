@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
 from .compile_cache import CompileCache, CompileCacheMiss, default_cache
-from .compiler import CacheOutcome, ForwardPlan, compile_plan, geometry_check_outcome, plans_wide
+from .compiler import (CacheOutcome, ForwardPlan, candidate_spec, compile_plan,
+                       geometry_check_outcome, plans_wide)
 from .defaults import DEFAULT_CAPACITY, REFERENCE_LAYER
 from .kernels.moe import MoESpec
 from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, candidate_bound, default_banded,
@@ -199,11 +200,6 @@ class _Counter:
                                 time.perf_counter() - self._t0, answer, seconds, error, waited))
 
 
-def _wide_spec(spec: MoESpec, block_m: int, span: int) -> MoESpec:
-    """``spec`` at candidate ``(block_m, span)``: span 0 is the block's own work item."""
-    return spec.replace(block_m=block_m, span=span) if span else spec.replace(block_m=block_m)
-
-
 def _record(arch: str, plan: ForwardPlan, block_m: int, span: int = 0) -> PrewarmRecord:
     """The report of candidate ``(block_m, span)``: the planner's verdict and role, and the
     cache's outcome of the request that planning made for it (None: never asked, a static
@@ -213,7 +209,7 @@ def _record(arch: str, plan: ForwardPlan, block_m: int, span: int = 0) -> Prewar
                                        else plan.outcomes.get(block_m))
     result = outcome.result if outcome is not None else None
     extra = dict(result.meta.get("extra") or {}) if result is not None else {}
-    spec = _wide_spec(plan.base, block_m, span)
+    spec = candidate_spec(plan.base, block_m, span)
     status: Status
     reason = verdict.reason
     if outcome is not None and outcome.error is not None:
@@ -247,31 +243,31 @@ def _record(arch: str, plan: ForwardPlan, block_m: int, span: int = 0) -> Prewar
 
 def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
                    banded: Optional[bool], cache: CompileCache,
-                   answers: dict[int, str]) -> Optional[ArchPrewarm]:
+                   answers: dict[tuple[int, int], str]) -> Optional[ArchPrewarm]:
     """A frozen cache's check of every specialization the plan would bind; None when none
     is missing. The planner asks about each size as it would when compiling; a size the
     cache lacks (or holds corrupt) is recorded as failed and taken as the one the plan
     binds (a frozen cache never falls back to a narrower M), so the walk stops there and
     every other planned size is still asked: the report lists all of them, not the first.
-    ``answers`` receives the cache's answer per M (``"disk"`` for an entry this call loaded),
+    ``answers`` receives the cache's answer per candidate ``(M, span)`` (``"disk"`` for an
+    entry this call loaded),
     so the records of the plan that follows report it rather than the memory hit it causes."""
     banded = default_banded(spec.codebook) if banded is None else banded
     misses: dict[tuple[int, int], CompileCacheMiss] = {}
 
-    def span_check(block_m: int, span: int) -> GeometryVerdict:
-        s = _wide_spec(spec, block_m, span)
+    def check(block_m: int, span: int = 0) -> GeometryVerdict:
+        s = candidate_spec(spec, block_m, span)
         try:
             verdict, outcome = geometry_check_outcome(s, cache)  # a static rejection asks no cache
         except CompileCacheMiss as exc:
             misses[block_m, span] = exc
             return GeometryVerdict(block_m=block_m, ok=True)
-        if outcome is not None and outcome.result is not None and not span:
-            answers.setdefault(block_m, outcome.result.status)
+        if outcome is not None and outcome.result is not None:
+            answers.setdefault((block_m, span), outcome.result.status)
         return verdict
 
-    route = plan_routes(capacity, spec.topk, spec.num_experts, env,
-                        lambda block_m: span_check(block_m, 0), banded=banded,
-                        span_check=span_check if plans_wide(spec) else None,
+    route = plan_routes(capacity, spec.topk, spec.num_experts, env, check, banded=banded,
+                        span_check=check if plans_wide(spec) else None,
                         wide_widest=widest_wide(spec.codebook))
     if not misses:
         return None
@@ -281,7 +277,7 @@ def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
     records = []
     for m, span in _candidate_keys(route):
         verdict = route.verdict(m, span)
-        kernel = _wide_spec(spec, m, span).kernel_name()
+        kernel = candidate_spec(spec, m, span).kernel_name()
         miss = misses.get((m, span))
         if miss is not None:
             why = corrupt.get(miss.key)
@@ -314,7 +310,7 @@ def _candidate_keys(route) -> list[tuple[int, int]]:
 def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv, banded: Optional[bool],
                   cache: CompileCache, counter: _Counter) -> ArchPrewarm:
     spec = base.replace(arch=arch)
-    first_answers: dict[int, str] = {}
+    first_answers: dict[tuple[int, int], str] = {}
     if cache.is_frozen:  # report every missing specialization, then plan as usual
         missing = _frozen_misses(spec, arch, capacity, env, banded, cache, first_answers)
         if missing is not None:
@@ -340,10 +336,11 @@ def _prewarm_arch(base: MoESpec, arch: str, capacity: int, env: PlanEnv, banded:
         rec = PrewarmRecord(arch=arch, block_m=m, role=role, status="failed",
                             reason=error_text(exc), kernel=spec.replace(block_m=m).kernel_name())
         return ArchPrewarm(arch=arch, plan=None, records=[rec], error=error_text(exc))
-    records = [_record(arch, plan, m, span) for m, span in _candidate_keys(plan.route)]
-    records = [dataclasses.replace(r, cache=first_answers[r.block_m])
-               if r.cache == "memory" and r.block_m in first_answers
-               and not r.role.startswith("wide") else r for r in records]
+    keys = _candidate_keys(plan.route)
+    records = [_record(arch, plan, m, span) for m, span in keys]
+    records = [dataclasses.replace(r, cache=first_answers[key])
+               if r.cache == "memory" and key in first_answers else r
+               for key, r in zip(keys, records)]
     return ArchPrewarm(arch=arch, plan=plan, records=records, error=plan.error)
 
 

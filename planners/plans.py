@@ -69,6 +69,7 @@ __all__ = [
     "WIDE_FROM_ROWS",
     "wide_from_m",
     "wide_block",
+    "wide_runs",
     "WIDEST_WIDE_DECODES",
     "widest_wide",
 ]
@@ -132,10 +133,25 @@ def wide_block(m: int, topk: int, num_experts: int, widest: bool = False) -> int
     experts), so an item's WIDE_SPAN blocks hold about what the average expert routes
     (4,096 tokens, E=896, top-16: 73 rows -> M=48 x 2, 96 rows); with ``widest`` the widest
     block (:func:`widest_wide`)."""
+    _check_int("m", m, minimum=1)
+    return wide_runs(m, m, topk, num_experts, widest)[0][2]
+
+
+def wide_runs(lo: int, hi: int, topk: int, num_experts: int,
+              widest: bool = False) -> list[tuple[int, int, int]]:
+    """``[(a, b, M), ...]``: the wide rule's block M over ``m in [lo, hi]`` as maximal runs
+    of one choice (:func:`wide_block`; ``[]`` when ``lo > hi``)."""
     if widest:
-        select_route_block_size_m(m, topk, num_experts)  # validate the arguments
-        return ROUTE_BLOCK_SIZES[-1]
-    return select_route_block_size_m(m, topk, WIDE_SPAN * num_experts)
+        _check_int("topk", topk, minimum=1)
+        _check_int("num_experts", num_experts, minimum=1)
+        return [(lo, hi, ROUTE_BLOCK_SIZES[-1])] if lo <= hi else []
+    return policy_runs(lo, hi, topk, WIDE_SPAN * num_experts)
+
+
+def _wide_lo(topk: int, num_experts: int, env: PlanEnv) -> int:
+    """The fewest tokens a plan applies the wide rule at: :func:`wide_from_m`, and above
+    the prefill threshold."""
+    return max(wide_from_m(topk, num_experts), env.prefill_min_m + 1)
 
 
 #: Pins the prefill route block M (one of ROUTE_BLOCK_SIZES); ``0`` disables the prefill plan.
@@ -588,9 +604,9 @@ def candidate_bound(capacity: int, topk: int, num_experts: int, env: PlanEnv, *,
         return 1
     top = env.pinned_block_m or select_route_block_size_m(capacity, topk, num_experts)
     count = sum(1 for s in ROUTE_BLOCK_SIZES if s <= top)
-    lo = max(wide_from_m(topk, num_experts), env.prefill_min_m + 1)
-    if wide and env.pinned_block_m is None and capacity >= lo:
-        count += 1 if widest else len(policy_runs(lo, capacity, topk, WIDE_SPAN * num_experts))
+    if wide and env.pinned_block_m is None:
+        count += len(wide_runs(_wide_lo(topk, num_experts, env), capacity, topk, num_experts,
+                               widest))
     return count
 
 
@@ -631,19 +647,13 @@ def plan_routes(
     select_route_block_size_m(capacity, topk, num_experts)  # validate topk / num_experts
     asked: dict[tuple[int, int], Candidate] = {}
 
-    def asking(purpose: Purpose) -> Callable[[int], GeometryVerdict]:
+    def asking(purpose: Purpose, span: int = 0) -> Callable[[int], GeometryVerdict]:
         def ask(block_m: int) -> GeometryVerdict:
-            if (block_m, 0) not in asked:
-                asked[block_m, 0] = Candidate(_as_verdict(block_m, check(block_m)), purpose)
-            return asked[block_m, 0].verdict
+            if (block_m, span) not in asked:
+                result = span_check(block_m, span) if span else check(block_m)
+                asked[block_m, span] = Candidate(_as_verdict(block_m, result, span), purpose)
+            return asked[block_m, span].verdict
         return ask
-
-    def ask_wide(block_m: int) -> GeometryVerdict:
-        assert span_check is not None
-        if (block_m, WIDE_SPAN) not in asked:
-            verdict = _as_verdict(block_m, span_check(block_m, WIDE_SPAN), WIDE_SPAN)
-            asked[block_m, WIDE_SPAN] = Candidate(verdict, "wide")
-        return asked[block_m, WIDE_SPAN].verdict
 
     notes: list[str] = []
     prefill_m: Optional[int] = None
@@ -683,10 +693,10 @@ def plan_routes(
         sizes = between + [prefill_m]
         for a, b, want in policy_runs(env.prefill_min_m + 1, capacity, topk, num_experts):
             runs.append((a, b, max((s for s in sizes if s <= want), default=DECODE_BLOCK_M), 0))
-    wide_lo = max(wide_from_m(topk, num_experts), env.prefill_min_m + 1)
+    wide_lo = _wide_lo(topk, num_experts, env)
     if banded and prefill_m is not None and span_check is not None and capacity >= wide_lo:
-        wide = ([(wide_lo, capacity, ROUTE_BLOCK_SIZES[-1])] if wide_widest
-                else policy_runs(wide_lo, capacity, topk, WIDE_SPAN * num_experts))
+        wide = wide_runs(wide_lo, capacity, topk, num_experts, wide_widest)
+        ask_wide = asking("wide", WIDE_SPAN)
         split: list[tuple[int, int, int, int]] = []
         for a, b, size, span in runs:
             if b < wide_lo:
