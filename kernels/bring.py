@@ -116,6 +116,12 @@ class GemmClass:
         (`args`: the spec's GEMM geometry without block_m and span)."""
         return 1
 
+    @classmethod
+    def default_stages(cls, smem_limit: int | None = None, **args) -> int:
+        """B-ring stages when a spec does not pin `stages` (`args`: the spec's GEMM geometry
+        without stages)."""
+        return DEFAULT_STAGES
+
     @staticmethod
     def pair_table_for(**args) -> bool:
         """Decode a table codebook through the K=2 pair table (`decode.PAIR_TABLE_BITS`)

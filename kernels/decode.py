@@ -23,7 +23,7 @@ from cutlass import Int32, Int64, Uint32
 
 from . import format as fmt
 from . import ptx
-from .sqg_t12 import T12_TABLE_BYTES, TABLE_DECODES
+from .sqg_t12 import T12_TABLE_BYTES, TABLE_DECODES, window_t12_index
 
 #: Codebooks `decode_pair` decodes (each one's facts: `format.CODEBOOK`).
 MMA_CODEBOOKS = ("mcg", "3inst", "mul1", "sqg_e4m3")
@@ -36,6 +36,11 @@ TABLE_BYTES = 1 << fmt.STATE_BITS
 PAIR_TABLE_BYTES = 1 << 17
 #: K of the uniform layers the pair table decodes (`decode_lane_tile_pair`).
 PAIR_TABLE_BITS = (2,)
+#: The pair-table decode computes pair 0 of every `PAIR_ARITH_PERIOD`-th tile (k step) of a
+#: lane instead of reading it (`decode_lane_tile_pair`): 1 of 8 pairs, so the ALU and FMA
+#: pipes take 1/8 of the weights off the shared-memory banks. A quarter was slower: the
+#: arithmetic pair costs ~25 instructions per weight against ~6 (docs/benchmarks.md).
+PAIR_ARITH_PERIOD = 2
 
 
 def check_table_decode(codebook: str | None, table_decode: str) -> str | None:
@@ -313,12 +318,15 @@ def decode_lane_tile(words, q0, bits: int, codebook: str, table=None,
 
 
 def decode_tile(words, q0, bits: int, codebook: str, table=None,
-                pair_table: bool = False, table_decode: str = "direct") -> list:
+                pair_table: bool = False, table_decode: str = "direct", tile: int = 0) -> list:
     """A lane's 4 half2 registers of one tile: `decode_lane_tile_pair` through the pair
-    table where the GEMM stages one (`pair_table`), else `decode_lane_tile` (through the
-    direct tables or T12: `table_decode`)."""
+    table where the GEMM stages one (`pair_table`; `tile`, the tile's k step within its
+    stage, a compile-time int, picks the tiles with an arithmetic pair:
+    `PAIR_ARITH_PERIOD`), else `decode_lane_tile` (through the direct tables or T12:
+    `table_decode`)."""
     if pair_table:
-        return decode_lane_tile_pair(words, q0, table)
+        arith = 1 if tile % PAIR_ARITH_PERIOD == PAIR_ARITH_PERIOD - 1 else 0
+        return decode_lane_tile_pair(words, q0, table, arith)
     return decode_lane_tile(words, q0, bits, codebook, table, table_decode)
 
 
@@ -353,13 +361,26 @@ def pair_table_fields(w, const=int):
     return offsets, (even >> 8, odd >> 24, even, odd >> 16)
 
 
-def decode_lane_tile_pair(words, q0, table) -> list:
+def decode_lane_tile_pair(words, q0, table, arith_pairs: int = 0) -> list:
     """`decode_lane_tile` of a K=2 sqg_e4m3 tile through the pair table at `table` (shared
     memory): one funnel shift aligns the lane's 30 stream bits (its 8 states), then per
-    pair one 8-byte load, one byte permute and one cvt (`pair_table_fields`)."""
+    pair one 8-byte load, one byte permute and one cvt (`pair_table_fields`). The first
+    `arith_pairs` pairs skip the table: their states' T12 indices come from the integer
+    program (`sqg_t12.window_t12_index`) and their values from the arithmetic T12
+    (`ptx.e4m3_poly_pair`), so the ALU and FMA pipes take that share of the decode off
+    the shared-memory banks."""
     w = ptx.funnel_hi(words[0], words[1], q0)
     offsets, sels = pair_table_fields(w, Uint32)
-    return [ptx.e4m3_pair_entry(offsets[p], sels[p], table) for p in range(4)]
+    out = []
+    rev = ptx.brev_u32(w) if arith_pairs else None
+    for p in range(4):
+        if p < arith_pairs:
+            o = 16 - 4 * p  # state 2p at register bits [o, o + 16), state 2p + 1 two lower
+            out.append(ptx.e4m3_poly_pair(window_t12_index(w, o, rev, Uint32),
+                                          window_t12_index(w, o - 2, rev, Uint32)))
+        else:
+            out.append(ptx.e4m3_pair_entry(offsets[p], sels[p], table))
+    return out
 
 
 def lane_words(lane, bits: int):

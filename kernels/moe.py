@@ -87,6 +87,24 @@ def _resolve_span(spec: "MoESpec") -> int:
     return GEMMS[spec.mma].default_span(spec.block_m, limit, **geo)
 
 
+def _resolve_stages(spec: "MoESpec", requested: int) -> int:
+    """`stages` 0 -> the GEMM class's `default_stages` for this geometry (block size and
+    span resolved; on this arch's dynamic shared memory per block), `DEFAULT_STAGES` where
+    the geometry cannot be asked (`MoESpec.check` reports why)."""
+    if requested != 0:
+        return requested
+    if spec.mma not in GEMMS or not isinstance(spec.block_m, int):
+        return DEFAULT_STAGES
+    limit = spec.smem_limit()
+    if limit is None:
+        return DEFAULT_STAGES
+    try:
+        geo = {k: v for k, v in spec._gemm_geometry().items() if k != "stages"}
+        return GEMMS[spec.mma].default_stages(limit, **geo)
+    except (TypeError, ValueError, KeyError):
+        return DEFAULT_STAGES
+
+
 def _resolve_table_decode(spec: "MoESpec") -> str:
     """`table_decode` "auto" -> "direct" where the layer's direct tables (one 64 KiB table per
     K) fit the target beside the smallest GEMM (M=8, span 1, one worker), else "t12"
@@ -116,7 +134,7 @@ def _resolve_table_decode(spec: "MoESpec") -> str:
 class MoESpec:
     """Compile-time key of one fused-forward specialization.
 
-    `mma="auto"` and `span=0` are requests: they are resolved when the spec is made (the
+    `mma="auto"`, `span=0` and `stages=0` are requests: they are resolved when the spec is made (the
     fields hold the concrete values), and `replace` resolves them again from the request,
     so a spec moved to another block size or arch gets that one's defaults."""
 
@@ -132,7 +150,10 @@ class MoESpec:
     activation: str = "silu"
     shared_hidden_vectors: bool = False
     has_expert_map: bool = False
-    stages: int = DEFAULT_STAGES
+    #: B-ring (and activation-ring) stages of the GEMMs' cp.async pipeline; 0 = the GEMM
+    #: class's `default_stages` for this geometry (`DEFAULT_STAGES`, one less where that
+    #: lets one more worker share the K=2 pair table).
+    stages: int = 0
     #: GEMM register target in CTAs per SM (nvvm.minctasm): 1 = none (the default; see
     #: docs/benchmarks.md), 0 = as many as shared memory allows (the GEMM class's
     #: `resident_ctas`), n = n.
@@ -160,7 +181,7 @@ class MoESpec:
     #: kernels/sqg_t12.py) or "auto" (direct where the layer's direct tables fit the target,
     #: else t12: `_resolve_table_decode`). Arithmetic codebooks read no table ("direct").
     table_decode: str = "auto"
-    #: (mma, span, table_decode) as asked for, before resolution (not part of the key or
+    #: (mma, span, table_decode, stages) as asked for, before resolution (not part of the key or
     #: of equality).
     requested: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -173,10 +194,16 @@ class MoESpec:
             object.__setattr__(self, "arch", normalize_arch(self.arch))
         except (ValueError, TypeError):
             pass
-        object.__setattr__(self, "requested", (self.mma, self.span, self.table_decode))
+        object.__setattr__(self, "requested",
+                           (self.mma, self.span, self.table_decode, self.stages))
         object.__setattr__(self, "mma", _resolve_mma(self.mma, self.arch))
+        # The table decode and the span are chosen against the default ring depth, then the
+        # ring depth for the resolved span (`_resolve_stages`).
+        if self.stages == 0:
+            object.__setattr__(self, "stages", DEFAULT_STAGES)
         object.__setattr__(self, "table_decode", _resolve_table_decode(self))
         object.__setattr__(self, "span", _resolve_span(self))
+        object.__setattr__(self, "stages", _resolve_stages(self, self.requested[3]))
 
     def resolved(self) -> "MoESpec":
         """This spec (specs are resolved when they are made; kept for callers)."""
@@ -331,7 +358,8 @@ class MoESpec:
 
     def replace(self, **changes) -> "MoESpec":
         """A copy with `changes`; "auto" / 0 requests are resolved again for the copy."""
-        mma, span, table_decode = self.requested
+        mma, span, table_decode, stages = self.requested
+        changes.setdefault("stages", stages)
         changes.setdefault("mma", mma)
         changes.setdefault("span", span)
         changes.setdefault("table_decode", table_decode)

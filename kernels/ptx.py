@@ -158,6 +158,45 @@ def e4m3_t12_pair(s0, s1, table, bits: int, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def e4m3_poly_pair(q0, q1, *, loc=None, ip=None):
+    """Two T12 indices -> one half2 of their E4M3FN values, computed (`kernels/sqg_t12.py`,
+    "the arithmetic T12"): per index u = q * 2^-11 + (1/4096 - 1), v = u * P(lg2(1 - u*u))
+    (fp32, `lg2.approx.ftz`, degree-4 Horner), then `cvt.rn.satfinite.e4m3x2.f32` rounds
+    both to E4M3FN, `cvt.rn.f16x2.e4m3x2` widens them (low half = q0) and adding +0 turns
+    -0 into +0 (T12 holds 0x00 there). No shared memory: ALU, FMA and MUFU pipes. sm_89+."""
+    from .sqg_t12 import T12_POLY, U_BIAS_BITS, U_SCALE_BITS
+
+    def state(i: int, q: str) -> list[str]:
+        body = [f"cvt.rn.f32.u32 f{i}, {q};",
+                f"fma.rn.f32 u{i}, f{i}, 0f{U_SCALE_BITS:08X}, 0f{U_BIAS_BITS:08X};",
+                f"neg.f32 n{i}, u{i};",
+                f"fma.rn.f32 t{i}, n{i}, u{i}, 0f3F800000;",
+                f"lg2.approx.ftz.f32 l{i}, t{i};",
+                f"mov.b32 a{i}, 0f{T12_POLY[4]:08X};"]
+        body += [f"fma.rn.f32 a{i}, a{i}, l{i}, 0f{T12_POLY[k]:08X};" for k in (3, 2, 1, 0)]
+        return body + [f"mul.rn.f32 v{i}, a{i}, u{i};"]
+
+    regs = ", ".join(f"{r}{i}" for i in (0, 1) for r in "funtlav")
+    return Uint32(llvm.inline_asm(
+        T.i32(), [_u32(q0, loc, ip), _u32(q1, loc, ip)],
+        "{\n\t.reg .f32 " + regs + ";\n\t.reg .b16 e;\n\t.reg .b32 h, z;\n\t"
+        + "\n\t".join(state(0, "$1") + state(1, "$2")) + "\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 e, v1, v0;\n\t"
+        "cvt.rn.f16x2.e4m3x2 h, e;\n\t"
+        "mov.b32 z, 0;\n\tadd.rn.f16x2 $0, h, z;\n\t}",
+        "=r,r,r", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def brev_u32(a, *, loc=None, ip=None):
+    """Bit reversal of a 32-bit register."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [_u32(a, loc, ip)], "brev.b32 $0, $1;", "=r,r", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
 def hadd2(a, b, *, loc=None, ip=None):
     """Packed fp16x2 add (round to nearest even) of two half2 registers (FMA pipe)."""
     return Uint32(llvm.inline_asm(

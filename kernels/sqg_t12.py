@@ -160,3 +160,83 @@ def choose_table_decode(direct_fits: bool) -> str:
     the H200, docs/benchmarks.md), else T12 + bijection (4 KiB for every K: sm_120's
     101,376 B, three rates at wide blocks on sm_90)."""
     return "direct" if direct_fits else "t12"
+
+
+# -- the arithmetic T12: no table at all ---------------------------------------------------
+#
+# The K=2 pair-table decode (kernels/decode.py) waits on shared-memory banks while the ALU
+# and FMA pipes idle; `ARITH_PAIRS` of a lane's 4 pairs per tile skip shared memory: the
+# integer program below gives each state's T12 index q, then T12[q] is computed, not read:
+#     u = (2q + 1) / 4096 - 1                      (exact in fp32)
+#     v = u * P(log2(1 - u*u)),  P of degree 4     (`T12_POLY`, `lg2.approx`)
+#     T12[q] = E4M3FN(v) rounded to nearest even, -0 read as +0
+# P is not a series for 1.5 * Phi^-1: it was fitted (a linear program over the 2,048 q >= 2048,
+# maximising the smallest distance to the edge of each q's E4M3 rounding interval) so that
+# v lands inside the rounding interval of the byte T12 holds, for every q (T12 is odd:
+# T12[4095 - q] = T12[q] ^ 0x80, and so is v, since u(4095 - q) = -u(q)). The smallest
+# slack is 1.05e-4 of the value, far above fp32 rounding and `lg2.approx`'s error;
+# tests/test_sqg_t12.py checks the model on all 4,096 q, the GPU tests the instructions.
+
+#: fp32 bit patterns of P's coefficients, constant term first.
+T12_POLY = (0x380069BE, 0x3AD8FF8D, 0x3C396E6F, 0xBEAEEAB8, 0x3FF09A1F)[::-1]
+#: u = q * U_SCALE + U_BIAS: 2^-11 and 1/4096 - 1 (both exact in fp32).
+U_SCALE_BITS = 0x3A000000
+U_BIAS_BITS = 0xBF7FF000
+
+
+def window_t12_index(w, o: int, rev, const=int):
+    """T12 index (rank >> 4) of the K=2 state at bits [o, o + 16) of the 32-bit register `w`
+    (o in 0..16), `rev` = brev(w), computed once per window. The law of `t12_program(2)`,
+    reading the state in place: h = x >> 2 is w >> (o + 2), masked unless o = 16; the
+    xorshift's bits 11..13 (h's bits 0..2) come from w shifted by o - 9; rev_2(b), x's low two
+    bits reversed, sits at bits 30..31 of rev << o. `const` wraps constants in `w`'s integer
+    type (the kernel's Uint32, numpy's uint32 in the CPU proof), so this one function is the
+    decode and its model."""
+    if not 0 <= o <= 16:
+        raise ValueError(f"state offset {o} outside 0..16")
+    s = fmt.SQG_XORSHIFT
+    h = w >> (o + 2)
+    if o + 2 + 14 < 32:
+        h = h & const(0x3FFF)
+    m = h ^ (h >> s)  # bits 0..13; bits 11..13 replaced next
+    v = w >> (o - 9) if o >= 9 else w << (9 - o)  # h's bits 0..2 at 11..13
+    n = (m & const(0x07FF)) | (v & const(0x3800))  # one LOP3 select
+    p = n * const(fmt.SQG_MUL) + const(fmt.SQG_ADD)
+    q = n * const((fmt.SQG_MUL << 16) & MASK32) + const((fmt.SQG_ADD << 16) & MASK32)
+    y = p ^ (rev << o)
+    z = (q & const(0x3FFFFFFF)) | (y & const(0xC0000000))  # one LOP3 select
+    return z >> (32 - T12_INDEX_BITS)
+
+
+def t12_poly_model(q, lg2_offset: float = 0.0):
+    """The arithmetic T12 on the CPU (numpy float32; `lg2.approx` modelled by a correctly
+    rounded log2, plus `lg2_offset` to model its error): E4M3FN bytes for indices `q` (an
+    int array), -0 read as +0."""
+    import numpy as np
+
+    f32 = np.float32
+    c = np.array(T12_POLY, dtype=np.uint32).view(np.float32)
+    sc, bias = (np.array([b], dtype=np.uint32).view(np.float32)[0] for b in (U_SCALE_BITS, U_BIAS_BITS))
+    u = (np.asarray(q).astype(np.float64) * sc + bias).astype(f32)
+    t = (1.0 - u.astype(np.float64) ** 2).astype(f32)
+    lg = (np.log2(t.astype(np.float64)) + lg2_offset).astype(f32)
+    a = c[4]
+    for k in (3, 2, 1, 0):
+        a = (a.astype(np.float64) * lg + c[k]).astype(f32)
+    v = (a.astype(np.float64) * u).astype(f32)
+    return e4m3fn_bytes(v)
+
+
+def e4m3fn_bytes(v):
+    """Round-to-nearest-even E4M3FN bytes of float values (finite, |v| < 448), -0 -> 0x00."""
+    import numpy as np
+
+    grid = np.array([(b & 7) / 8 * 2.0**-6 if b < 8 else (1 + (b & 7) / 8) * 2.0 ** ((b >> 3) - 7)
+                     for b in range(0x7F)])
+    v = np.asarray(v, dtype=np.float64)
+    a = np.abs(v)
+    i = np.clip(np.searchsorted(grid, a), 1, 0x7E)
+    lo, hi = grid[i - 1], grid[i]
+    up = (a - lo > hi - a) | ((a - lo == hi - a) & (i % 2 == 0))
+    b = np.where(up, i, i - 1)
+    return np.where((v < 0) & (b != 0), b | 0x80, b).astype(np.uint8)

@@ -321,7 +321,7 @@ class TrellisGemm(GemmClass):
         (`tab`: the state table's shared-memory address, table codebooks only)."""
         bits = self.bits if bits is None else bits
         return decode_tile(self.stage_words(sB, buf, kk, warp, widx, jj, bits), q0, bits,
-                           self.codebook, tab, self.pair_table, self.table_decode)
+                           self.codebook, tab, self.pair_table, self.table_decode, kk)
 
     # -- mixed rates (module docstring) -------------------------------------------------
 

@@ -166,6 +166,17 @@ class TrellisWgmma(GemmClass):
             return 1
         return 2
 
+    @classmethod
+    def default_stages(cls, smem_limit: int | None = None, **args) -> int:
+        """The ring depth a plan uses when none is pinned: `DEFAULT_STAGES`, or one stage
+        less where that lets one more worker share the pair table (M=32 and M=48: 4 and 3
+        workers instead of 3 and 2). More warpgroups queued on the table's banks paid more
+        than the deeper ring (docs/benchmarks.md); needs `smem_limit` and the geometry."""
+        if smem_limit is None or not args.get("pair_table"):
+            return DEFAULT_STAGES
+        return max((DEFAULT_STAGES, DEFAULT_STAGES - 1),
+                   key=lambda st: (cls.workers_for(smem_limit, stages=st, **args), st))
+
     @staticmethod
     def threads_for(*, block_m: int, span: int = 1, bits_set: tuple = (), workers: int = 1,
                     **args) -> int:
@@ -321,7 +332,7 @@ class TrellisWgmma(GemmClass):
         ring = self.ring
         words = ring.tile_words_at(sB, buf, kk, n16, widx, bits)
         h = decode_tile(words, q0, ring.bits if bits is None else bits, ring.codebook, tab,
-                        self.pair_table, ring.table_decode)
+                        self.pair_table, ring.table_decode, kk)
         return h[0], h[2], h[1], h[3]
 
     @cute.kernel

@@ -112,7 +112,7 @@ def test_static_rejections_name_the_reason():
     assert spec.replace(codebook="sqg_e4m3", bits=4).check() is None
     # "auto" resolves by arch when the spec is made; the resolved spec names and keys the
     # object, and replace() resolves the request again (M=32 gets its own span).
-    assert (spec.mma, spec.span) == ("wgmma", 1) and spec.requested == ("auto", 0, "auto")
+    assert (spec.mma, spec.span) == ("wgmma", 1) and spec.requested == ("auto", 0, "auto", 0)
     assert spec.replace(arch="sm_120a").mma == "sync"
     assert spec.replace(block_m=32).kernel_name().endswith("_wgmma_x2_sm_90a")
     pinned = spec.replace(mma="wgmma", span=1)
@@ -226,16 +226,17 @@ def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
     128 KiB pair table and as many one-warpgroup workers' rings as fit in the 101,376 B
     left of 227 KB (one CTA per SM): a worker's ring is 4 stages x 2,048 B of K=2 words plus
     its activation ring / epilogue tile (rows x 132 x 4 B, in 1,024-B steps), 13,312 B at
-    8 rows (4 workers, 512 threads), 25,600 B at 32 rows (3 workers: M=32 runs span 1
-    here) and 41,984 B at 64 rows (2 workers, 256 threads). At
+    8 rows (4 workers, 512 threads), 41,984 B at 64 rows (2 workers, 256 threads); at 32
+    rows (M=32 runs span 1 here) a 3-stage ring, 23,552 B, lets 4 workers fit where 4
+    stages would leave 3 (`default_stages`). At
     the plans' block sizes it spills nothing and fits 227 KB; the mma.sync GEMM keeps the
     64 KiB direct table."""
     from kquant_cute.kernels.decode import PAIR_TABLE_BYTES, TABLE_BYTES
 
     limits = arch_limits("sm_90a")
-    for m, span, workers in ((8, 1, 4), (32, 1, 3), (64, 1, 2)):
+    for m, span, workers, stages in ((8, 1, 4, 4), (32, 1, 4, 3), (64, 1, 2, 4)):
         spec = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=m, arch="sm_90a")
-        assert spec.span == span and spec.table_layout() == "pair"
+        assert (spec.span, spec.stages) == (span, stages) and spec.table_layout() == "pair"
         verdict = geometry_check(spec, cache)
         assert verdict.ok, (m, verdict.reason)
         assert verdict.spills == 0 and verdict.registers <= limits.regs_per_thread_max

@@ -73,8 +73,8 @@ def test_pair_fields_decode_every_k2_window_at_every_position():
 
 def test_pair_table_is_a_per_arch_choice():
     """sm_90a's wgmma GEMMs of a uniform K=2 sqg_e4m3 layer use the pair table with several
-    workers per CTA (3 at M=32); every other layer, and sm_120 (mma.sync, 101,376 B per block), keeps
-    the direct table."""
+    workers per CTA (4 at M=32, on a 3-stage ring); every other layer, and sm_120 (mma.sync,
+    101,376 B per block), keeps the direct table."""
     def spec(**kw):
         base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, bits=2,
                     codebook="sqg_e4m3", block_m=32, shared_hidden_vectors=True,
@@ -83,10 +83,10 @@ def test_pair_table_is_a_per_arch_choice():
         return MoESpec(**base)
 
     s = spec()
-    assert s.pair_table() and s.table_layout() == "pair" and s.gemm_workers() == 3
+    assert s.pair_table() and s.table_layout() == "pair" and s.gemm_workers() == 4
     assert s.gemm_resident_ctas() == 1 and s.check() is None
     gemm = {sub.role: sub for sub in s.sub_kernels()}["gemm1"].build()
-    assert gemm.pair_table and gemm.threads == 384 and gemm.smem_bytes > PAIR_TABLE_BYTES
+    assert gemm.pair_table and gemm.threads == 512 and gemm.smem_bytes > PAIR_TABLE_BYTES
     for m in (8, 16, 48, 64):
         assert spec(block_m=m).pair_table() and spec(block_m=m).check() is None
     for other in (spec(bits=3), spec(mma="sync"), spec(arch="sm_120a", block_m=32),
@@ -118,7 +118,9 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     activation ring / epilogue tile, max(4 x rows x 128, rows x 132 x 4) rounded up to
     1,024 B. Pair table (131,072 B; 101,376 B left): 8 rows 5,120 + 8,192 = 13,312 B -> 4;
     16 rows 9,216 + 8,192 -> 4; 32 rows 17,408 + 8,192 = 25,600 B, x 4 = 102,400 > 101,376
-    -> 3; 64 rows 41,984 B -> 2. Rates {3, 4} (two 64 KiB tables): 16 rows 25,600 B -> 3;
+    -> 3, but with a 3-stage ring 17,408 + 6,144 = 23,552 B, x 4 = 94,208 -> 4, which the
+    default ring depth takes (`default_stages`); 48 rows 25,600 + 8,192 -> 2, 3 stages
+    25,600 + 6,144 = 31,744 B -> 3; 64 rows 41,984 B -> 2 either way (4 stages kept). Rates {3, 4} (two 64 KiB tables): 16 rows 25,600 B -> 3;
     32 rows 33,792 B, x 3 = 101,376 B exactly, but every DSL kernel also carries 1,024 B of
     static shared memory -> 2. T12 stays at 2 (registers), and 128-row work items (two
     warpgroups) at 1."""
@@ -129,8 +131,11 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
         base.update(kw)
         return MoESpec(**base)
 
-    pair = {m: spec(block_m=m).gemm_workers() for m in (8, 16, 32, 64)}
-    assert pair == {8: 4, 16: 4, 32: 3, 64: 2}
+    pair = {m: (spec(block_m=m).stages, spec(block_m=m).gemm_workers())
+            for m in (8, 16, 32, 48, 64)}
+    assert pair == {8: (4, 4), 16: (4, 4), 32: (3, 4), 48: (3, 3), 64: (4, 2)}
+    assert spec(block_m=32, stages=4).gemm_workers() == 3  # a pinned ring depth is kept
+    assert spec(block_m=32).replace(block_m=64).stages == 4  # replace resolves again
     assert spec(block_m=64, span=2).gemm_workers() == 1
     mixed = {m: spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False).gemm_workers()
              for m in (8, 16, 32, 64)}
@@ -138,8 +143,8 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     for m in (8, 32):
         s = spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False, table_decode="t12")
         assert s.gemm_workers() == 2 and s.check() is None
-    per_worker = {8: 13_312, 16: 17_408, 32: 25_600, 64: 41_984}
-    for m, w in pair.items():
+    per_worker = {8: 13_312, 16: 17_408, 32: 23_552, 48: 31_744, 64: 41_984}
+    for m, (_, w) in pair.items():
         threads, smem = spec(block_m=m).kernel_launches()["TrellisWgmma"]
         assert threads == 128 * w and smem == PAIR_TABLE_BYTES + w * per_worker[m] <= 232_448 - 1_024
     assert spec(mma="sync").gemm_workers() == 1

@@ -110,3 +110,57 @@ def test_kernel_tables_hold_each_direct_table_then_t12_where_the_gemms_stage_the
                                       trellis.sqg_state_table(k).numpy())
     with pytest.raises(ValueError, match="at least one K"):
         trellis.sqg_kernel_tables(())
+
+
+# -- the arithmetic T12 (pair-table decode's computed share) --------------------------------
+
+def _brev32(w):
+    out = np.zeros_like(w)
+    for i in range(32):
+        out |= ((w >> np.uint32(i)) & np.uint32(1)) << np.uint32(31 - i)
+    return out
+
+
+@pytest.mark.parametrize("o", range(0, 17))
+def test_window_index_is_the_program_on_every_state(o):
+    """`window_t12_index` reads the K=2 state in place at bit offset `o` of a 32-bit window;
+    with every 16-bit state there and random bits around it, its index is `t12_program(2)`'s
+    (which the tests above prove against the codec)."""
+    rng = np.random.default_rng(o)
+    x = np.arange(1 << 16, dtype=np.uint32)
+    around = rng.integers(0, 1 << 32, x.size, dtype=np.uint64).astype(np.uint32)
+    keep = np.uint32(((1 << 16) - 1) << o)
+    w = (around & ~keep) | (x << np.uint32(o))
+    got = sqg_t12.window_t12_index(w, o, _brev32(w), np.uint32)
+    assert got.dtype == np.uint32
+    want = sqg_t12.run_program(sqg_t12.t12_program(2), x.astype(np.uint64))
+    bad = np.flatnonzero(got.astype(np.uint64) != want)
+    assert bad.size == 0, f"offset {o}: {bad.size} states differ, first {bad[:8].tolist()}"
+
+
+def test_window_index_rejects_offsets_outside_the_window():
+    with pytest.raises(ValueError, match="offset 17"):
+        sqg_t12.window_t12_index(np.zeros(1, np.uint32), 17, np.zeros(1, np.uint32), np.uint32)
+
+
+def test_arithmetic_t12_model_gives_every_byte():
+    """The fp32 model of the computed T12 (`t12_poly_model`, the instructions of
+    `ptx.e4m3_poly_pair` with a correctly rounded log2) gives T12's byte for all 4,096
+    indices, and still does with log2 off by 4 x 2^-22 either way (lg2.approx's error is
+    below that); tests/test_gpu_moe.py runs the instructions themselves."""
+    q = np.arange(sqg_t12.T12_TABLE_BYTES)
+    t12 = trellis.t12_table().numpy()
+    got = sqg_t12.t12_poly_model(q)
+    assert np.array_equal(got, t12), np.flatnonzero(got != t12)[:8]
+    for off in (-4 * 2.0**-22, 4 * 2.0**-22):
+        assert np.array_equal(sqg_t12.t12_poly_model(q, lg2_offset=off), t12)
+
+
+def test_e4m3_rounding_model_matches_torch():
+    """`e4m3fn_bytes` (the model's rounding) is torch's float8_e4m3fn rounding, -0 read as +0."""
+    import torch
+
+    v = np.concatenate([np.linspace(-6, 6, 20001), [0.0, -1e-9, 2.0**-10, 3 * 2.0**-10]])
+    want = torch.tensor(v, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    want = np.where(want == 0x80, 0, want)
+    assert np.array_equal(sqg_t12.e4m3fn_bytes(v.astype(np.float32)), want)
