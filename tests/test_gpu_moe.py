@@ -95,28 +95,15 @@ def test_arithmetic_t12_instructions_give_every_byte():
     """`ptx.e4m3_poly_pair` (the computed T12 the pair-table decode uses for 1 of 8 pairs)
     on this GPU: all 4,096 indices, in both halves of the half2, give T12's value bit for
     bit, +0 where T12 holds 0x00 (tests/test_sqg_t12.py proves the fp32 model)."""
-    import cutlass
-    import cutlass.cute as cute
     from cutlass.cute.runtime import from_dlpack
+    from poly_kernel import poly_pairs
 
     from kquant_cute import trellis
-    from kquant_cute.kernels import ptx
-
-    @cute.kernel
-    def poly_kernel(qa: cute.Tensor, qb: cute.Tensor, out: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        i = bidx * 128 + tidx
-        out[i] = cutlass.Int32(ptx.e4m3_poly_pair(cutlass.Uint32(qa[i]), cutlass.Uint32(qb[i])))
-
-    @cute.jit
-    def poly(qa: cute.Tensor, qb: cute.Tensor, out: cute.Tensor):
-        poly_kernel(qa, qb, out).launch(grid=(32, 1, 1), block=(128, 1, 1))
 
     qa = torch.arange(4096, dtype=torch.int32, device="cuda")
     qb = qa.flip(0).contiguous()
     out = torch.full((4096,), -1, dtype=torch.int32, device="cuda")
-    poly(from_dlpack(qa), from_dlpack(qb), from_dlpack(out))
+    poly_pairs(from_dlpack(qa), from_dlpack(qb), from_dlpack(out))
     torch.cuda.synchronize()
     halves = out.cpu().view(torch.int16).view(4096, 2)
     want = trellis.t12_table().view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16)
