@@ -3,7 +3,8 @@
 Owns how a lane turns its trellis words of one 16x16 tile into the four half2 registers
 of its m16n8k16 B fragment (`decode_lane_tile`, with `lane_words` / `lane_window` /
 `state_windows` for where its states sit and `decode_pair` for the codebook step; for
-uniform K=2 sqg_e4m3 on sm_90a the pair-table decode `decode_lane_tile_pair`), and the
+uniform K=2 sqg_e4m3 on sm_90a the pair-table decode `decode_lane_tile_pair`, which
+computes 1 pair in 8 instead of reading it, `PAIR_ARITH_PERIOD`), and the
 state tables of the table codebooks (sqg_e4m3): direct tables, the pair table or T12
 (`table_decode`, `check_table_decode`; the T12 program is `kernels/sqg_t12.py`'s), their
 size in shared memory (`table_bytes`, `table_note`), where they sit in the table argument
@@ -38,8 +39,9 @@ PAIR_TABLE_BYTES = 1 << 17
 PAIR_TABLE_BITS = (2,)
 #: The pair-table decode computes pair 0 of every `PAIR_ARITH_PERIOD`-th tile (k step) of a
 #: lane instead of reading it (`decode_lane_tile_pair`): 1 of 8 pairs, so the ALU and FMA
-#: pipes take 1/8 of the weights off the shared-memory banks. A quarter was slower: the
-#: arithmetic pair costs ~25 instructions per weight against ~6 (docs/benchmarks.md).
+#: pipes take 1/8 of the weights off the shared-memory banks. A quarter was slower: a
+#: computed weight issues about four times the instructions of a table weight
+#: (docs/benchmarks.md).
 PAIR_ARITH_PERIOD = 2
 
 

@@ -1,6 +1,8 @@
 """The sqg_e4m3 decode through T12 and the state bijection on the integer ALU (no torch, no cutlass).
 
-Owns the T12 path of the QSRT decode: the one 4 KiB table T12 (`format.T12_SIZE` E4M3FN
+Owns the T12 path of the QSRT decode, and the arithmetic T12 the K=2 pair-table decode
+computes a share of its weights with (`window_t12_index`, `T12_POLY`, `t12_poly_model`;
+section at the end). The T12 path: the one 4 KiB table T12 (`format.T12_SIZE` E4M3FN
 bytes, the same for every K) in shared memory, and per 16-bit state x the integer program
 that computes its T12 index, `rank(x) >> 4` (the law of `kquant_cute.trellis`, the reference codec):
 
