@@ -7,9 +7,9 @@ which resource measurement and the geometry check iterate), and `MoEForward`, th
 `@cute.jit` host function that launches, on one stream with no host synchronisation and
 no allocation:
 
-  route pack (M) -> input rotation (gate, up) -> trellis GEMM gate -> trellis GEMM up
-  -> FC1 output rotation + activation + FC2 input rotation -> trellis GEMM down
-  -> router-weighted top-k sum with FC2's output rotation.
+  route pack (M) -> input rotation (gate, up) -> trellis GEMM gate + up (one launch, the
+  two slots' work items interleaved) -> FC1 output rotation + activation + FC2 input
+  rotation -> trellis GEMM down -> router-weighted top-k sum with FC2's output rotation.
 
 `MoESpec.coupled` adds the QSRT coupled transforms (profile k2_coupled_h512_h128) inside the
 three rotation stages (kernels/rotate.py); the per-expert sign vectors are the entry
@@ -304,8 +304,9 @@ class MoESpec:
 
     def sub_kernels(self) -> tuple["SubKernel", ...]:
         """The device kernels `MoEForward` launches, in launch order (the GEMMs once per
-        projection shape: gate and up share `gemm1`). Resource measurement and the
-        geometry check iterate this list; nothing else names the kernels."""
+        projection shape: gate and up are `gemm1`'s two operands, one launch). Resource
+        measurement and the geometry check iterate this list; nothing else names the
+        kernels."""
         per_route = not self.shared_hidden_vectors
         gemm = GEMMS[self.mma]
         common = dict(self._gemm_geometry(), topk=self.topk, workers=self.gemm_workers(),
@@ -511,15 +512,15 @@ class MoEForward:
         groups = (block_expert, num_padded, expert_offsets, expert_counts)
         # The rate maps (mixed rates; uniform GEMMs never read them): FC1's per N tile.
         rates1 = (fc1_bits, fc1_words, fc1_row_words)
-        self.gemm1(xg, gate_trellis, sorted_routes, *groups, g, n_routes, a_zero_row,
-                   max_blocks, codebook_table, sm_count, *rates1, stream)
-        # Coupled: both FC1 slots read the one rotated input (xu is not written).
+        # Both FC1 slots in one launch (their work items interleaved: one tail, one table
+        # staging). Coupled: both read the one rotated input (xu is not written).
         x_up = xg if self.spec.coupled else xu
-        self.gemm1(x_up, up_trellis, sorted_routes, *groups, u, n_routes, a_zero_row,
-                   max_blocks, codebook_table, sm_count, *rates1, stream)
+        self.gemm1(xg, gate_trellis, sorted_routes, *groups, g, x_up, up_trellis, u, Int32(2),
+                   n_routes, a_zero_row, max_blocks, codebook_table, sm_count, *rates1, stream)
         self.mid(g, u, gate_svh, up_svh, down_suh, pre_signs, post_signs, topk_ids, expert_map,
                  a2, n_routes, stream)
-        self.gemm2(a2, down_trellis, sorted_routes, *groups, y, n_routes, routes_cap,
+        self.gemm2(a2, down_trellis, sorted_routes, *groups, y, a2, down_trellis, y, Int32(1),
+                   n_routes, routes_cap,
                    max_blocks, codebook_table, sm_count, fc2_bits, fc2_words, fc1_row_words,
                    stream)
         self.combine(y, down_svh, topk_ids, expert_map, topk_weights, out, m, stream)

@@ -180,19 +180,23 @@ class TrellisGemm(GemmClass):
     @cute.jit
     def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                  pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOffsets: cute.Pointer,
-                 pCounts: cute.Pointer, pOut: cute.Pointer, n_routes: Int32, zero_row: Int32,
-                 max_blocks: Int32, pTable: cute.Pointer, sm_count: Int32,
+                 pCounts: cute.Pointer, pOut: cute.Pointer, pA1: cute.Pointer,
+                 pB1: cute.Pointer, pOut1: cute.Pointer, operands: Int32, n_routes: Int32,
+                 zero_row: Int32, max_blocks: Int32, pTable: cute.Pointer, sm_count: Int32,
                  pRateBits: cute.Pointer, pRateWords: cute.Pointer, k_tile_words: Int32, stream):
         # The call every GEMM of the registry takes; this one does not read the per-expert
         # offsets and counts (`pOffsets`, `pCounts`: one route block per work item).
         # One CTA per possible work item (the plan's block bound x N tiles); CTAs past the
         # packed block count exit at once, and the hardware scheduler balances the rest.
         # Table codebooks: one persistent CTA per resident slot instead (see module doc).
-        grid = max_blocks * self.n_tiles
+        # `operands` (1 or 2) GEMMs of one shape in one launch (FC1's two slots): operand 1
+        # reads pA1 / pB1 and writes pOut1; its work items interleave with operand 0's.
+        grid = max_blocks * operands * self.n_tiles
         if cutlass.const_expr(self.table):
-            grid = persistent_grid(max_blocks, self.n_tiles, sm_count, self.ctas_per_sm)
-        self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOut, n_routes, zero_row,
-                    pTable, pRateBits, pRateWords, k_tile_words).launch(
+            grid = persistent_grid(max_blocks * operands, self.n_tiles, sm_count,
+                                   self.ctas_per_sm)
+        self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOut, pA1, pB1, pOut1, operands,
+                    n_routes, zero_row, pTable, pRateBits, pRateWords, k_tile_words).launch(
             grid=[grid, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
             stream=stream, min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
 
@@ -336,14 +340,16 @@ class TrellisGemm(GemmClass):
     @cute.kernel
     def kernel(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOut: cute.Pointer,
+               pA1: cute.Pointer, pB1: cute.Pointer, pOut1: cute.Pointer, operands: Int32,
                n_routes: Int32, zero_row: Int32, pTable: cute.Pointer, pRateBits: cute.Pointer,
                pRateWords: cute.Pointer, k_tile_words: Int32):
         big = 1 << 30
         mSorted = cute.make_tensor(pSorted, cute.make_layout(big))
         mBlockExpert = cute.make_tensor(pBlockExpert, cute.make_layout(big))
         mNumPadded = cute.make_tensor(pNumPadded, cute.make_layout(1))
-        a_gaddr = pA.toint()
-        b_gaddr = pB.toint()
+        # Global bases of operand 0 and their offsets to operand 1's (`operands` 2).
+        gaddrs = (pA.toint(), pB.toint(), pOut.toint(), pA1.toint() - pA.toint(),
+                  pB1.toint() - pB.toint(), pOut1.toint() - pOut.toint())
 
         smem = cutlass.memory.SmemAllocator()
         tab = None
@@ -374,7 +380,7 @@ class TrellisGemm(GemmClass):
         lm_col = (lane // 16) * 8
 
         num_blocks = mNumPadded[0] // self.block_m
-        total = num_blocks * self.n_tiles
+        total = num_blocks * operands * self.n_tiles
         rAsrc = cute.make_rmem_tensor((self.a_iters,), Int32)
         rAbytes = cute.make_rmem_tensor((self.a_iters,), Int32)
         acc = cute.make_rmem_tensor((self.m_tiles, 4, 4), Float32)
@@ -385,26 +391,32 @@ class TrellisGemm(GemmClass):
             if bidx < total:
                 stage_table(pTable, tab, tidx, THREADS, self.table_bytes, self.table_offset)
             for work in range(bidx, total, gdim):
-                self.work_item(work, mSorted, mBlockExpert, pOut, n_routes, zero_row, a_gaddr,
-                               b_gaddr, a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx,
+                self.work_item(work, operands, mSorted, mBlockExpert, gaddrs, n_routes,
+                               zero_row, a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx,
                                rates)
                 cute.arch.sync_threads()  # the next item's copies overwrite the epilogue chunks
             cute.arch.cp_async_wait_group(0)  # a CTA whose items were all empty: the table
         else:
             work = bidx
             if work < total:
-                self.work_item(work, mSorted, mBlockExpert, pOut, n_routes, zero_row, a_gaddr,
-                               b_gaddr, a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx,
+                self.work_item(work, operands, mSorted, mBlockExpert, gaddrs, n_routes,
+                               zero_row, a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx,
                                rates)
 
     @cute.jit
-    def work_item(self, work, mSorted, mBlockExpert, pOut, n_routes, zero_row, a_gaddr, b_gaddr,
+    def work_item(self, work, operands, mSorted, mBlockExpert, gaddrs, n_routes, zero_row,
                   a_saddr, b_saddr, sB, rAsrc, rAbytes, acc, lane_ctx, rates=None):
-        """Work item `work` (route block x N tile): A sources, MMAs, epilogue (`rates`: the
-        rate-map tensors and FC1 k-tile stride, mixed rates only)."""
+        """Work item `work` (route block x N tile x operand): A sources, MMAs, epilogue
+        (`rates`: the rate-map tensors and FC1 k-tile stride, mixed rates only)."""
         tidx, warp, lane, widx, q0, tab, lm_row, lm_col = lane_ctx
-        blk = work // self.n_tiles
-        nt = work - blk * self.n_tiles
+        a_gaddr, b_gaddr, out_gaddr, a_step, b_step, out_step = gaddrs
+        item = work // operands
+        op = Int64(work - item * operands)
+        a_gaddr = a_gaddr + op * a_step
+        b_gaddr = b_gaddr + op * b_step
+        out_gaddr = out_gaddr + op * out_step
+        blk = item // self.n_tiles
+        nt = item - blk * self.n_tiles
         # Route ids are read before the expert so the loads overlap.
         # Source rows of this thread's A copies (padding slots: zero-filled, nothing read).
         for i in cutlass.range_constexpr(self.a_iters):
@@ -443,4 +455,4 @@ class TrellisGemm(GemmClass):
                           acc, tidx, warp, widx, q0, tab, lm_row, lm_col)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # every warp is done with the A ring it stages through
-            self.store_tile(pOut.toint(), a_saddr, acc, rRoute0, rRoute1, nt, warp, lane, n_routes)
+            self.store_tile(out_gaddr, a_saddr, acc, rRoute0, rRoute1, nt, warp, lane, n_routes)

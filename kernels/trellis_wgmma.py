@@ -297,14 +297,19 @@ class TrellisWgmma(GemmClass):
     @cute.jit
     def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                  pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOffsets: cute.Pointer,
-                 pCounts: cute.Pointer, pOut: cute.Pointer, n_routes: Int32, zero_row: Int32,
-                 max_blocks: Int32, pTable: cute.Pointer, sm_count: Int32,
+                 pCounts: cute.Pointer, pOut: cute.Pointer, pA1: cute.Pointer,
+                 pB1: cute.Pointer, pOut1: cute.Pointer, operands: Int32, n_routes: Int32,
+                 zero_row: Int32, max_blocks: Int32, pTable: cute.Pointer, sm_count: Int32,
                  pRateBits: cute.Pointer, pRateWords: cute.Pointer, k_tile_words: Int32, stream):
-        grid = max_blocks * self.ring.n_tiles
+        # `operands` (1 or 2) GEMMs of one shape in one launch (FC1's two slots): operand 1
+        # reads pA1 / pB1 and writes pOut1; its work items interleave with operand 0's.
+        grid = max_blocks * operands * self.ring.n_tiles
         if cutlass.const_expr(self.ring.table):
-            grid = persistent_grid(max_blocks, self.ring.n_tiles, sm_count, self.ctas_per_sm)
+            grid = persistent_grid(max_blocks * operands, self.ring.n_tiles, sm_count,
+                                   self.ctas_per_sm)
         self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOffsets, pCounts, pOut,
-                    n_routes, zero_row, pTable, pRateBits, pRateWords, k_tile_words).launch(
+                    pA1, pB1, pOut1, operands, n_routes, zero_row, pTable, pRateBits,
+                    pRateWords, k_tile_words).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
             stream=stream, min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
 
@@ -338,7 +343,8 @@ class TrellisWgmma(GemmClass):
     @cute.kernel
     def kernel(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
                pBlockExpert: cute.Pointer, pNumPadded: cute.Pointer, pOffsets: cute.Pointer,
-               pCounts: cute.Pointer, pOut: cute.Pointer, n_routes: Int32, zero_row: Int32,
+               pCounts: cute.Pointer, pOut: cute.Pointer, pA1: cute.Pointer, pB1: cute.Pointer,
+               pOut1: cute.Pointer, operands: Int32, n_routes: Int32, zero_row: Int32,
                pTable: cute.Pointer, pRateBits: cute.Pointer, pRateWords: cute.Pointer,
                k_tile_words: Int32):
         big = 1 << 30
@@ -347,8 +353,9 @@ class TrellisWgmma(GemmClass):
         mNumPadded = cute.make_tensor(pNumPadded, cute.make_layout(1))
         mOffsets = cute.make_tensor(pOffsets, cute.make_layout(big))
         mCounts = cute.make_tensor(pCounts, cute.make_layout(big))
-        a_gaddr = pA.toint()
-        b_gaddr = pB.toint()
+        # Global bases of operand 0 and their offsets to operand 1's (`operands` 2).
+        gaddrs = (pA.toint(), pB.toint(), pOut.toint(), pA1.toint() - pA.toint(),
+                  pB1.toint() - pB.toint(), pOut1.toint() - pOut.toint())
 
         smem = cutlass.memory.SmemAllocator()
         tab = None
@@ -382,7 +389,7 @@ class TrellisWgmma(GemmClass):
             widx, q0 = lane_words(lane, self.ring.bits)
 
         num_blocks = mNumPadded[0] // self.block_m
-        total = num_blocks * self.ring.n_tiles
+        total = num_blocks * operands * self.ring.n_tiles
         rAsrc = cute.make_rmem_tensor((self.a_iters,), Int32)
         rRoute = cute.make_rmem_tensor((self.route_regs,), Int32)
         acc = cute.make_rmem_tensor((self.m64_per_wg, self.n_acc), Float32)
@@ -406,25 +413,31 @@ class TrellisWgmma(GemmClass):
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.sync_threads()
             for work in range(first, total, stride):
-                self.work_item(work, groups, pOut, n_routes, a_gaddr, b_gaddr, a_saddr, b_saddr,
-                               sB, rAsrc, rRoute, acc, lane_ctx, rates)
+                self.work_item(work, operands, groups, gaddrs, n_routes, a_saddr, b_saddr, sB,
+                               rAsrc, rRoute, acc, lane_ctx, rates)
                 self.sync()  # the next item's copies overwrite the epilogue tile
             cute.arch.cp_async_wait_group(0)  # a CTA whose items were all empty: the table
         else:
             work = bidx
             if work < total:
-                self.work_item(work, groups, pOut, n_routes, a_gaddr, b_gaddr, a_saddr, b_saddr,
-                               sB, rAsrc, rRoute, acc, lane_ctx, rates)
+                self.work_item(work, operands, groups, gaddrs, n_routes, a_saddr, b_saddr, sB,
+                               rAsrc, rRoute, acc, lane_ctx, rates)
 
     @cute.jit
-    def work_item(self, work, groups, pOut, n_routes, a_gaddr, b_gaddr, a_saddr, b_saddr, sB,
+    def work_item(self, work, operands, groups, gaddrs, n_routes, a_saddr, b_saddr, sB,
                   rAsrc, rRoute, acc, lane_ctx, rates=None):
-        """Work item `work` (route block x N tile; a span's leader takes `span` blocks;
-        `rates`: the rate-map tensors and FC1 k-tile stride, mixed rates only)."""
+        """Work item `work` (route block x N tile x operand; a span's leader takes `span`
+        blocks; `rates`: the rate-map tensors and FC1 k-tile stride, mixed rates only)."""
         mSorted, mBlockExpert, mOffsets, mCounts = groups
         tidx, warp, lane, widx, q0, tab = lane_ctx
-        blk = work // self.ring.n_tiles
-        nt = work - blk * self.ring.n_tiles
+        a_gaddr, b_gaddr, out_gaddr, a_step, b_step, out_step = gaddrs
+        item = work // operands
+        op = Int64(work - item * operands)
+        a_gaddr = a_gaddr + op * a_step
+        b_gaddr = b_gaddr + op * b_step
+        out_gaddr = out_gaddr + op * out_step
+        blk = item // self.ring.n_tiles
+        nt = item - blk * self.ring.n_tiles
         expert = mBlockExpert[blk]
         # A span's leader (block j of its expert, j a multiple of `span`) takes the
         # expert's next `span` blocks; other blocks of the span exit. n_real: the
@@ -462,7 +475,7 @@ class TrellisWgmma(GemmClass):
                           tidx, warp, widx, q0, tab)
             cute.arch.cp_async_wait_group(0)
             self.sync()  # the activation ring becomes the epilogue tile
-            self.store_tile(pOut.toint(), a_saddr, acc, rRoute, nt, warp, lane, n_routes)
+            self.store_tile(out_gaddr, a_saddr, acc, rRoute, nt, warp, lane, n_routes)
 
     @cute.jit
     def dispatch(self, vi: cutlass.Constexpr, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase,
