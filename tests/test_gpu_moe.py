@@ -122,13 +122,14 @@ def _gemm_decodes_exactly(codebook, bits, mma, k_dim, n_dim, table, **gemm_args)
 
     block_m = 16
     g = torch.Generator().manual_seed(bits * 7 + len(codebook))
-    codes = trellis.random_trellis(k_dim, n_dim, bits, generator=g).cuda()
+    # Two operands in one launch (FC1's gate and up): each decoded exactly into its output.
+    codes = [trellis.random_trellis(k_dim, n_dim, bits, generator=g).cuda() for _ in range(2)]
     a = torch.zeros(k_dim + 1, k_dim, dtype=torch.float16, device="cuda")
     a[:k_dim] = torch.eye(k_dim, dtype=torch.float16, device="cuda")
     routes = torch.arange(k_dim, dtype=torch.int32, device="cuda")
     blocks = torch.zeros(k_dim // block_m, dtype=torch.int32, device="cuda")
     num = torch.tensor([k_dim], dtype=torch.int32, device="cuda")
-    out = torch.full((k_dim, n_dim), float("nan"), device="cuda")
+    out = [torch.full((k_dim, n_dim), float("nan"), device="cuda") for _ in range(2)]
     Gemm = GEMMS[mma]
     gemm = Gemm(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                 topk=1, a_rows_per_token=False, stages=4, **gemm_args)
@@ -141,8 +142,10 @@ def _gemm_decodes_exactly(codebook, bits, mma, k_dim, n_dim, table, **gemm_args)
     groups = [P(blocks, cutlass.Int32), P(num, cutlass.Int32), P(offsets, cutlass.Int32),
               P(num, cutlass.Int32)]
     # sm_count 1: a table codebook's grid is 1 x ctas_per_sm (1) CTA for the work items.
-    args = [P(a, cutlass.Float16), P(codes, cutlass.Int16), P(routes, cutlass.Int32),
-            *groups, P(out, cutlass.Float32),
+    args = [P(a, cutlass.Float16), P(codes[0], cutlass.Int16), P(routes, cutlass.Int32),
+            *groups, P(out[0], cutlass.Float32),
+            P(a, cutlass.Float16), P(codes[1], cutlass.Int16), P(out[1], cutlass.Float32),
+            cutlass.Int32(2),
             cutlass.Int32(k_dim), cutlass.Int32(k_dim), cutlass.Int32(k_dim // block_m),
             P(table, cutlass.Uint8), cutlass.Int32(1),
             P(num, cutlass.Uint8), P(num, cutlass.Int32), cutlass.Int32(0),  # no rate maps
@@ -150,8 +153,9 @@ def _gemm_decodes_exactly(codebook, bits, mma, k_dim, n_dim, table, **gemm_args)
     fn = cute.compile(gemm, *args)
     fn(*args)
     torch.cuda.synchronize()
-    ref = trellis.decode(codes.cpu(), codebook)
-    assert torch.equal(out.cpu(), ref), (out.cpu() - ref).abs().max()
+    for op in range(2):
+        ref = trellis.decode(codes[op].cpu(), codebook)
+        assert torch.equal(out[op].cpu(), ref), (op, (out[op].cpu() - ref).abs().max())
 
 
 @pytest.mark.parametrize("shared", [True, False])
