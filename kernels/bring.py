@@ -4,11 +4,12 @@ Owns `GemmClass`, the base of every GEMM class of the registry (`kernels/gemms.p
 static questions each answers with one call signature (`can_implement`, `threads_for`,
 `smem_bytes_for`, `resident_ctas`, `default_span`, `workers_for`, `pair_table_for`, all
 taking the constructor's keyword arguments); the geometry rules they share (`check_geometry`,
-`check_rates`); and `BRing`, one GEMM specialization's ring of trellis words in shared
-memory: where a work item's words start (`b_tile_base`), the cp.async copies of one stage
-(`issue_b`, `copy_b`), where a tile's words sit in a stage buffer (`tile_words_at`) and,
-for mixed rates, each stage's K and word index from the run-time rate maps
-(`rate_context`, `stage_rate`, `for_rate`, `rate_table`). `TrellisGemm` and
+`check_rates`); how a launch of two operands (FC1's gate and up) numbers its work items
+(`operand_bases`, `operand_item`); and `BRing`, one GEMM specialization's ring of trellis
+words in shared memory: where a work item's words start (`b_tile_base`), the cp.async
+copies of one stage (`issue_b`, `copy_b`), where a tile's words sit in a stage buffer
+(`tile_words_at`) and, for mixed rates, each stage's K and word index from the run-time
+rate maps (`rate_context`, `stage_rate`, `for_rate`, `rate_table`). `TrellisGemm` and
 `TrellisWgmma` each hold one; what they decode from it is `kernels/decode.py`'s.
 
 Layout: B trellis int16 [E, k_dim/16, n_dim/16, 16*bits], read as uint32 words. A stage
@@ -47,6 +48,24 @@ DSL_STATIC_SMEM = 1024
 def b_stage_bytes(bits: int) -> int:
     """Trellis words of one pipeline stage: the N tile's 8 tile columns x 4 k-tiles."""
     return (TILE_N // 16) * K_STEPS_PER_STAGE * 32 * bits
+
+
+def operand_bases(pA, pB, pOut, pA1, pB1, pOut1):
+    """Global addresses of a GEMM launch's operand 0 (A, B, output) and their offsets to
+    operand 1's: the launch runs `operands` (1 or 2) GEMMs of one shape, FC1's two slots."""
+    return (pA.toint(), pB.toint(), pOut.toint(), pA1.toint() - pA.toint(),
+            pB1.toint() - pB.toint(), pOut1.toint() - pOut.toint())
+
+
+def operand_item(work, operands, bases):
+    """(item, A, B, output addresses) of launch work item `work`: the operand is the
+    innermost index, so both operands' items of one route block and N tile are neighbours
+    (dealt to neighbouring CTAs, they read the same activation rows at about the same time);
+    `item` is the route block x N tile index within the operand."""
+    a, b, out, a_step, b_step, out_step = bases
+    item = work // operands
+    op = Int64(work - item * operands)
+    return item, a + op * a_step, b + op * b_step, out + op * out_step
 
 
 def check_rates(bits: int, bits_set: tuple, codebook: str, rate_axis: str) -> str | None:

@@ -52,7 +52,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from . import ptx
 from .bring import (DEFAULT_STAGES, K_STEPS_PER_STAGE, TILE_N, BRing, GemmClass,
-                    b_stage_bytes, check_geometry)
+                    b_stage_bytes, check_geometry, operand_bases, operand_item)
 from .decode import (check_pair_table, decode_tile, lane_words, persistent_grid, stage_table,
                      table_bytes, table_note, table_offset)
 
@@ -347,9 +347,7 @@ class TrellisGemm(GemmClass):
         mSorted = cute.make_tensor(pSorted, cute.make_layout(big))
         mBlockExpert = cute.make_tensor(pBlockExpert, cute.make_layout(big))
         mNumPadded = cute.make_tensor(pNumPadded, cute.make_layout(1))
-        # Global bases of operand 0 and their offsets to operand 1's (`operands` 2).
-        gaddrs = (pA.toint(), pB.toint(), pOut.toint(), pA1.toint() - pA.toint(),
-                  pB1.toint() - pB.toint(), pOut1.toint() - pOut.toint())
+        gaddrs = operand_bases(pA, pB, pOut, pA1, pB1, pOut1)
 
         smem = cutlass.memory.SmemAllocator()
         tab = None
@@ -409,12 +407,7 @@ class TrellisGemm(GemmClass):
         """Work item `work` (route block x N tile x operand): A sources, MMAs, epilogue
         (`rates`: the rate-map tensors and FC1 k-tile stride, mixed rates only)."""
         tidx, warp, lane, widx, q0, tab, lm_row, lm_col = lane_ctx
-        a_gaddr, b_gaddr, out_gaddr, a_step, b_step, out_step = gaddrs
-        item = work // operands
-        op = Int64(work - item * operands)
-        a_gaddr = a_gaddr + op * a_step
-        b_gaddr = b_gaddr + op * b_step
-        out_gaddr = out_gaddr + op * out_step
+        item, a_gaddr, b_gaddr, out_gaddr = operand_item(work, operands, gaddrs)
         blk = item // self.n_tiles
         nt = item - blk * self.n_tiles
         # Route ids are read before the expert so the loads overlap.
