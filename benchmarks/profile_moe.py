@@ -1,12 +1,15 @@
 """Per-kernel GPU time of one fused forward (torch.profiler / CUPTI), reference geometry
 (docs/formats.md).
 
-    python benchmarks/profile_moe.py [--tokens 16 1536] [--block-m M]
+    python benchmarks/profile_moe.py [--tokens 16 1536] [--block-m M] [--layer qsrt_k2_coupled]
 
-Prints, per token count, each kernel's share of one forward (averaged over replays).
-With `--bare` it only runs the forwards (3 warm-up + `--reps`), for an outside profiler:
+`--layer`: the mcg K=4 layer (default) or one of `bench_qsrt.py`'s columns (the production
+QSRT layer, uniform sqg_e4m3 K=3, the mixed-rate layer), same geometry. Prints, per token
+count, each kernel's share of one forward (averaged over replays). With `--bare` it only
+runs the forwards (3 warm-up + `--reps`), for an outside profiler; a forward launches two
+GEMMs (gate and up in one, then down), so this profiles the fourth forward's:
 
-    ncu --clock-control none -k regex:TrellisGemm --launch-skip 9 --launch-count 3 \
+    ncu --clock-control none -k regex:Trellis --launch-skip 6 --launch-count 2 \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
         python benchmarks/profile_moe.py --tokens 4096 --reps 1 --bare
 """
@@ -24,6 +27,7 @@ from kquant_cute.kernels.gemms import MMA_KINDS
 
 
 def main(argv=None):
+    from bench_qsrt import PROFILES, make_weights
     from peers import random_tokens
 
     from kquant_cute.kernels.build import short_kernel_name
@@ -41,8 +45,14 @@ def main(argv=None):
                    help="wgmma: route blocks of one expert per work item (1, 2, 4)")
     p.add_argument("--occupancy", type=int, default=None, help="GEMM register target (CTAs/SM)")
     p.add_argument("--bare", action="store_true", help="run the forwards only (no torch.profiler)")
+    p.add_argument("--layer", default="mcg_k4", choices=tuple(PROFILES),
+                   help="the layer: mcg K=4 (default) or another bench_qsrt.py column")
     a = p.parse_args(argv)
-    wts = MoEWeights.random(896, 3584, 384, 4, "mcg", shared_hidden_vectors=True, seed=0, device="cuda")
+    if a.layer == "mcg_k4":
+        wts = MoEWeights.random(896, 3584, 384, 4, "mcg", shared_hidden_vectors=True, seed=0,
+                                device="cuda")
+    else:
+        wts = make_weights(a.layer)
     for m in a.tokens:
         env = {}
         if a.block_m:
