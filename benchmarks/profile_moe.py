@@ -3,8 +3,9 @@
 
     python benchmarks/profile_moe.py [--tokens 16 1536] [--block-m M] [--layer qsrt_k2_coupled]
 
-`--layer`: the mcg K=4 layer (default) or one of `bench_qsrt.py`'s columns (the production
-QSRT layer, uniform sqg_e4m3 K=3, the mixed-rate layer), same geometry. Prints, per token
+`--layer`: one of `bench_qsrt.py`'s layers, with its weights (seeded random experts tiled
+to E; the decode's cost does not depend on the codes): mcg K=4 (default), the production
+QSRT layer, uniform sqg_e4m3 K=3 or the mixed-rate layer. Prints, per token
 count, each kernel's share of one forward (averaged over replays). With `--bare` it only
 runs the forwards (3 warm-up + `--reps`), for an outside profiler; a forward launches two
 GEMMs (gate and up in one, then down), so this profiles the fourth forward's:
@@ -32,7 +33,6 @@ def main(argv=None):
 
     from kquant_cute.kernels.build import short_kernel_name
     from kquant_cute.layer import MoELayer
-    from kquant_cute.weights import MoEWeights
 
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 1536])
@@ -46,13 +46,9 @@ def main(argv=None):
     p.add_argument("--occupancy", type=int, default=None, help="GEMM register target (CTAs/SM)")
     p.add_argument("--bare", action="store_true", help="run the forwards only (no torch.profiler)")
     p.add_argument("--layer", default="mcg_k4", choices=tuple(PROFILES),
-                   help="the layer: mcg K=4 (default) or another bench_qsrt.py column")
+                   help="a bench_qsrt.py layer (default mcg K=4)")
     a = p.parse_args(argv)
-    if a.layer == "mcg_k4":
-        wts = MoEWeights.random(896, 3584, 384, 4, "mcg", shared_hidden_vectors=True, seed=0,
-                                device="cuda")
-    else:
-        wts = make_weights(a.layer)
+    wts = make_weights(a.layer)
     for m in a.tokens:
         env = {}
         if a.block_m:

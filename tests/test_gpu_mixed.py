@@ -89,8 +89,8 @@ def test_mixed_decode_bit_exact_through_gemm(axis, mma):
     counts = torch.full((e,), dim, dtype=torch.int32, device="cuda")
     groups = [P(blocks, cutlass.Int32), P(num, cutlass.Int32), P(offsets, cutlass.Int32),
               P(counts, cutlass.Int32)]
-    one = [P(a, cutlass.Float16), P(codes, cutlass.Int16), P(out, cutlass.Float32)]
-    args = [*one[:2], P(routes, cutlass.Int32), *groups, one[2], *one, cutlass.Int32(1),
+    pa, pb, pout = P(a, cutlass.Float16), P(codes, cutlass.Int16), P(out, cutlass.Float32)
+    args = [pa, pb, P(routes, cutlass.Int32), *groups, pout, pa, pb, pout, cutlass.Int32(1),
             cutlass.Int32(rows), cutlass.Int32(rows),
             cutlass.Int32(rows // block_m), P(table, cutlass.Uint8), cutlass.Int32(1),
             P(bits, cutlass.Uint8), P(words, cutlass.Int32), cutlass.Int32(row_words),
@@ -153,8 +153,9 @@ def test_t12_decode_every_state_through_gemm(mma):
     groups = [P(blocks, cutlass.Int32), P(num, cutlass.Int32), P(offsets, cutlass.Int32),
               P(num, cutlass.Int32)]
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    one = [P(a, cutlass.Float16), P(w.gate_trellis, cutlass.Int16), P(out, cutlass.Float32)]
-    args = [*one[:2], P(routes, cutlass.Int32), *groups, one[2], *one, cutlass.Int32(1),
+    pa, pb, pout = (P(a, cutlass.Float16), P(w.gate_trellis, cutlass.Int16),
+                    P(out, cutlass.Float32))
+    args = [pa, pb, P(routes, cutlass.Int32), *groups, pout, pa, pb, pout, cutlass.Int32(1),
             cutlass.Int32(h), cutlass.Int32(h),
             cutlass.Int32(h // block_m), P(table, cutlass.Uint8), cutlass.Int32(sm_count),
             P(maps["fc1_bits"], cutlass.Uint8), P(maps["fc1_words"], cutlass.Int32),
