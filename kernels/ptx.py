@@ -224,6 +224,15 @@ def st_shared_f32(smem_addr, v, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def st_global_f32(gmem_addr, v, *, loc=None, ip=None):
+    """One fp32 store to global memory."""
+    llvm.inline_asm(
+        None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip), _f32(v, loc, ip)],
+        "st.global.f32 [$0], $1;", "l,f", has_side_effects=True, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
 def copy_shared_to_global_16(gmem_addr, smem_addr, *, loc=None, ip=None):
     """16 bytes from shared to global memory through registers (ld.shared.v4 +
     st.global.v4), both addresses 16-byte aligned."""

@@ -13,6 +13,10 @@ of `block_m` rows x 128-column N tile), computed transposed: out^T = W_hat^T A^T
   8 x 16-byte core matrices would put all 8 in the same 4 banks.)
 - Accumulators: two m64 x n fp32 tiles (output columns 0..63 and 64..127), n registers
   per thread (n = the work item's rows; two warpgroups above 64 rows, below).
+- Epilogue: each lane stores its accumulators straight from registers to the fp32 output
+  rows (`store_tile`; 8 lanes fill one 32-byte sector), so a worker's shared memory is its
+  two rings: no transposing tile (16.5 KiB at 32 rows), which would cost a worker or a
+  ring stage beside the tables.
 Spans (`span` > 1): one work item covers `span` consecutive route blocks of one expert
 (rows = span x block_m, the wgmma n), so an expert with up to that many routed rows is
 decoded once per N tile instead of once per block. The leader CTA of a span (the block
@@ -44,7 +48,7 @@ next stage's top). One state table per rate (128 KiB for {3, 4}) leaves shared m
 one CTA per SM.
 Workers: where the tables leave one CTA per SM (the pair table, mixed rates), the CTA runs
 `workers` = 2..4 independent one-warpgroup workers that share the tables, as many as fit
-(`workers_for`): each has its own rings and epilogue tile, its own named barrier, and its
+(`workers_for`): each has its own rings, its own named barrier, and its
 own share of the CTA's work items, which is what several uniform CTAs on the SM would do
 (one's prologue, epilogue and stage-top drain overlap the others' decode, and more
 warpgroups keep more table loads queued on the banks). Where two workers' rings do not fit
@@ -70,7 +74,6 @@ K_STEP_BYTES = 16 * 2  # one 16-wide k step of an fp16 activation row
 STAGE_ROW_BYTES = K_STEPS_PER_STAGE * K_STEP_BYTES  # one activation row of a stage
 ROW_GROUP_BYTES = CORE_ROWS * STAGE_ROW_BYTES  # 8 rows of a stage: one swizzle atom
 assert STAGE_ROW_BYTES == 128, "the 128-byte swizzle needs 64-k stages (one row = 128 B)"
-OUT_ROW_FLOATS = TILE_N + 4  # padded fp32 row of the transposed epilogue tile
 
 
 SPANS = (1, 2, 4)
@@ -81,44 +84,58 @@ def a_stage_bytes(rows: int) -> int:
     return rows * STAGE_ROW_BYTES
 
 
+#: Rows of the widest one-warpgroup work item of a worker (`rows` accumulators per thread).
+WORKER_ROWS = 96
+
+
 def warpgroups(rows: int, mixed: bool = False, workers: int = 1) -> int:
     """Warpgroups per work item: two (64 columns each) once one would hold > 32
-    accumulators, and for mixed rates with one worker per CTA (module docstring)."""
-    return 2 if rows > 64 or (mixed and workers == 1) else 1
+    accumulators, and for mixed rates with one worker per CTA (module docstring); one for a
+    worker's item of up to `WORKER_ROWS` rows."""
+    if workers > 1:
+        return 1
+    return 2 if rows > 64 or mixed else 1
 
 
 def a_region_bytes(rows: int, stages: int) -> int:
-    """The activation ring, reused by the epilogue's [rows, 132] fp32 tile; a multiple of
-    1024 bytes, so a second worker's ring starts on a swizzle atom."""
-    a_region = max(stages * a_stage_bytes(rows), rows * OUT_ROW_FLOATS * 4)
-    return -(-a_region // ROW_GROUP_BYTES) * ROW_GROUP_BYTES
+    """A worker's activation ring. Work items are whole 8-row groups, so the ring is whole
+    1024-byte swizzle atoms and a second worker's ring starts on one. (The epilogue stores
+    from registers: no tile of its own.)"""
+    assert rows % CORE_ROWS == 0, f"work items are whole {CORE_ROWS}-row groups, not {rows}"
+    return stages * a_stage_bytes(rows)
 
 
 def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1,
                codebook: str | None = None, bits_set: tuple = (), workers: int = 1,
                pair_table: bool = False, table_decode: str = "direct") -> int:
-    """The codebook's state tables, then per worker the activation ring (reused by the
-    epilogue's tile) and the B ring (sized for `bits`, the widest K)."""
-    rows = span * block_m
-    a_region = max(stages * a_stage_bytes(rows), rows * OUT_ROW_FLOATS * 4)
-    if workers > 1:
-        a_region = a_region_bytes(rows, stages)
+    """The codebook's state tables, then per worker the activation ring and the B ring
+    (sized for `bits`, the widest K)."""
     return (table_bytes(codebook, bits_set, pair_table, table_decode)
-            + workers * (a_region + stages * b_stage_bytes(bits)))
+            + workers * (a_region_bytes(span * block_m, stages) + stages * b_stage_bytes(bits)))
 
 
 WORKERS = (1, 2, 3, 4)
 #: T12 layers keep two workers: the register cap of more threads per CTA makes ptxas
 #: spill in the bijection.
 T12_MAX_WORKERS = 2
+#: Most workers by work-item rows (a one-warpgroup item holds `rows` fp32 accumulators per
+#: thread; w workers cap a thread at 65,536 / (128 w) registers): ptxas, sm_90a, the pair
+#: table's GEMM spills with 48 rows at 128 registers (4 workers) and with 64 at 168 (3).
+ROWS_MAX_WORKERS = ((32, 4), (48, 3), (64, 2), (WORKER_ROWS, 2))
+
+
+def max_workers(rows: int, table_decode: str = "direct") -> int:
+    """The most workers whose register cap holds a work item of `rows` rows (T12: 2)."""
+    top = next(w for r, w in ROWS_MAX_WORKERS if rows <= r)
+    return min(top, T12_MAX_WORKERS) if table_decode == "t12" else top
 
 
 def check_workers(block_m: int, span: int, codebook: str, workers: int) -> str | None:
     """None when `workers` one-warpgroup workers per CTA can run this work item."""
     if workers not in WORKERS:
         return f"workers {workers!r} not in {WORKERS}"
-    if workers > 1 and (span * block_m > 64 or codebook not in TABLE_CODEBOOKS):
-        return (f"workers {workers} need work items of <= 64 rows (one warpgroup) and a table "
+    if workers > 1 and (span * block_m > WORKER_ROWS or codebook not in TABLE_CODEBOOKS):
+        return (f"workers {workers} need work items of <= {WORKER_ROWS} rows (one warpgroup) and a table "
                 f"codebook's persistent grid, not {span * block_m} rows of {codebook!r}")
     return None
 
@@ -153,8 +170,9 @@ class TrellisWgmma(GemmClass):
     def default_span(cls, block_m: int, smem_limit: int | None = None, **args) -> int:
         """The span a plan uses when none is pinned: 2 at M=32 (one warpgroup, 64 rows), else
         1. Two blocks per work item at M=32 decode each expert's weights half as often,
-        unless 32-row items let more workers share the tables (the pair table: 3 workers
-        against 2; needs `smem_limit` and the geometry `args`), which pays more. Work items
+        unless 32-row items let more workers share the tables (the pair table: 4 workers
+        against 2, mixed rates: 3 against 2; needs `smem_limit` and the geometry `args`),
+        which pays more. Work items
         of more than 64 rows (two warpgroups, fewer CTAs per SM) pay off only where nearly
         every row is real, so wider blocks keep span 1 unless a plan asks for more
         (measurements: docs/benchmarks.md)."""
@@ -169,9 +187,9 @@ class TrellisWgmma(GemmClass):
     @classmethod
     def default_stages(cls, smem_limit: int | None = None, **args) -> int:
         """The ring depth a plan uses when none is pinned: `DEFAULT_STAGES`, or one stage
-        less where that lets one more worker share the pair table (M=32 and M=48: 4 and 3
-        workers instead of 3 and 2). More warpgroups queued on the table's banks paid more
-        than the deeper ring (docs/benchmarks.md); needs `smem_limit` and the geometry."""
+        less where that lets one more worker share the pair table (48 x 2: 2 workers of 96
+        rows instead of 1). More warpgroups queued on the table's banks paid more than the
+        deeper ring (docs/benchmarks.md); needs `smem_limit` and the geometry."""
         if smem_limit is None or not args.get("pair_table"):
             return DEFAULT_STAGES
         return max((DEFAULT_STAGES, DEFAULT_STAGES - 1),
@@ -206,9 +224,9 @@ class TrellisWgmma(GemmClass):
         table): the most one-warpgroup workers (up to 4; T12 up to `T12_MAX_WORKERS`) whose
         rings fit beside the tables (module docstring), else 1. More warpgroups in flight
         keep more decode loads queued on the banks while others wait on their wgmma."""
-        if not (bits_set or pair_table) or span * block_m > 64:
+        if not (bits_set or pair_table) or span * block_m > WORKER_ROWS:
             return 1
-        top = T12_MAX_WORKERS if args.get("table_decode") == "t12" else WORKERS[-1]
+        top = max_workers(span * block_m, args.get("table_decode", "direct"))
         for workers in range(top, 1, -1):
             need = cls.smem_bytes_for(block_m=block_m, span=span, bits_set=bits_set,
                                       pair_table=pair_table, **dict(args, workers=workers))
@@ -283,14 +301,12 @@ class TrellisWgmma(GemmClass):
         self.a_stage = a_stage_bytes(self.rows)
         self.a_chunks = self.rows * (STAGE_ROW_BYTES // 16)  # 16-B copies per stage
         self.a_iters = (self.a_chunks + self.item_threads - 1) // self.item_threads
-        self.route_regs = (self.rows + 31) // 32  # epilogue route ids per lane
+        self.route_regs = (self.rows + 31) // 32  # route ids per lane (lane l: rows l, 32 + l..)
         # wgmma n per work item: the smallest of these >= its real rows (one main-loop copy
         # each), so padding rows past the last 16-row group cost no MMA.
         self.n_variants = tuple(sorted({min(16 * i, self.rows)
                                         for i in range(1, (self.rows + 15) // 16 + 1)}))
-        self.a_region = max(stages * self.a_stage, self.rows * OUT_ROW_FLOATS * 4)
-        if workers > 1:
-            self.a_region = a_region_bytes(self.rows, stages)
+        self.a_region = a_region_bytes(self.rows, stages)
         self.smem_bytes = smem_bytes(block_m, bits, stages, span, codebook, self.ring.bits_set,
                                      workers, pair_table, table_decode)
 
@@ -413,7 +429,7 @@ class TrellisWgmma(GemmClass):
             for work in range(first, total, stride):
                 self.work_item(work, operands, groups, gaddrs, n_routes, a_saddr, b_saddr, sB,
                                rAsrc, rRoute, acc, lane_ctx, rates)
-                self.sync()  # the next item's copies overwrite the epilogue tile
+                self.sync()  # the next item's copies refill buffers a slower warp may read
             cute.arch.cp_async_wait_group(0)  # a CTA whose items were all empty: the table
         else:
             work = bidx
@@ -467,8 +483,7 @@ class TrellisWgmma(GemmClass):
             self.dispatch(0, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase, b_saddr, acc,
                           tidx, warp, widx, q0, tab)
             cute.arch.cp_async_wait_group(0)
-            self.sync()  # the activation ring becomes the epilogue tile
-            self.store_tile(out_gaddr, a_saddr, acc, rRoute, nt, warp, lane, n_routes)
+            self.store_tile(out_gaddr, acc, rRoute, nt, warp, lane, n_routes)
 
     @cute.jit
     def dispatch(self, vi: cutlass.Constexpr, n_real, sB, a_gaddr, a_saddr, rAsrc, b_gbase,
@@ -568,27 +583,25 @@ class TrellisWgmma(GemmClass):
             ptx.wgmma_commit()
 
     @cute.jit
-    def store_tile(self, out_addr, s_addr, acc, rRoute, nt, warp, lane, n_routes):
-        """Transpose the m64 x rows accumulator tiles through shared memory into [route,
-        128 columns] rows, then each warp writes whole 512-byte route rows (route ids from
-        registers: lane l holds rows l, 32 + l, ...; padding rows carry n_routes)."""
+    def store_tile(self, out_addr, acc, rRoute, nt, warp, lane, n_routes):
+        """Store the m64 x rows accumulator tiles from registers as [route, 128 columns] fp32
+        rows. Accumulator (t, 4j + e) of lane (gq, c) = (lane / 4, lane % 4) is column
+        64 (wg m64_per_wg + t) + 16 wq + gq + 8 (e / 2) of work-item row 8j + 2c + e % 2; its
+        route id comes from the lane holding that row (rRoute: lane l holds rows l, 32 + l,
+        ...; padding rows carry n_routes and are skipped). The 8 lanes of one c write one
+        row's 8 consecutive columns: a full 32-byte sector. No shared memory, no barrier."""
         gq = lane // 4
         c = lane % 4
         wg = warp // NUM_WARPS
         wq = warp % NUM_WARPS
-        for t in cutlass.range_constexpr(self.m64_per_wg):
-            col0 = (wg * self.m64_per_wg + t) * 64 + wq * 16 + gq
-            for j in cutlass.range_constexpr(self.n_acc // 4):
-                for e in cutlass.range_constexpr(4):
-                    route = 8 * j + 2 * c + (e % 2)
-                    ptx.st_shared_f32(s_addr + (route * OUT_ROW_FLOATS + col0 + 8 * (e // 2)) * 4,
-                                      acc[t, 4 * j + e])
-        self.sync()
-        for i in cutlass.range_constexpr(self.rows // self.num_warps):
-            reg = (self.num_warps * i) // 32  # rows num_warps*i .. +num_warps-1 share it
-            row = warp + self.num_warps * i
-            r = cute.arch.shuffle_sync(rRoute[reg], row - 32 * reg)
-            if r < n_routes:
-                ptx.copy_shared_to_global_16(
-                    out_addr + (Int64(r) * self.ring.n_dim + nt * TILE_N + lane * 4) * 4,
-                    s_addr + (row * OUT_ROW_FLOATS + lane * 4) * 4)
+        col = nt * TILE_N + wg * self.m64_per_wg * 64 + wq * 16 + gq
+        for j in cutlass.range_constexpr(self.n_acc // 4):
+            reg = (8 * j) // 32  # rows 8j .. 8j + 7 sit in one register's 32 rows
+            for e2 in cutlass.range_constexpr(2):
+                r = cute.arch.shuffle_sync(rRoute[reg], 8 * j - 32 * reg + 2 * c + e2)
+                if r < n_routes:
+                    row_addr = out_addr + (Int64(r) * self.ring.n_dim + col) * 4
+                    for t in cutlass.range_constexpr(self.m64_per_wg):
+                        for h in cutlass.range_constexpr(2):
+                            ptx.st_global_f32(row_addr + (64 * t + 8 * h) * 4,
+                                              acc[t, 4 * j + 2 * h + e2])

@@ -76,7 +76,9 @@ def test_every_gemm_answers_the_same_static_questions_with_one_signature():
         assert built.smem_bytes == cls.smem_bytes_for(**sub.args)
         per_sm = arch_limits(spec.arch).smem_per_block_optin + 1024
         assert 1 <= cls.resident_ctas(per_sm, **sub.args) <= per_sm // built.smem_bytes
-        assert cls.default_span(spec.block_m) == MoESpec(**{**spec.key_fields(), "span": 0}).span
+        geo = {k: v for k, v in sub.args.items() if k not in ("block_m", "span")}
+        assert (cls.default_span(spec.block_m, spec.smem_limit(), **geo)
+                == MoESpec(**{**spec.key_fields(), "span": 0}).span)
         assert isinstance(cls.instruction, str) and cls.instruction
     # A kind's own rules come from its class, with the same keyword arguments.
     sync, wg = GEMMS["sync"], GEMMS["wgmma"]

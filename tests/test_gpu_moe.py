@@ -414,7 +414,8 @@ def test_output_in_activation_dtype(act_dtype, out_dtype):
 def test_sqg_e4m3_layer(bits, mma):
     """QSRT sqg_e4m3 weights through the fused forward (persistent table GEMMs): the fp64
     reference on fresh random weights / inputs with NaN-poisoned outputs at several m,
-    bitwise-equal outputs for every route block M (edge routings included), and CUDA-graph
+    bitwise-equal outputs for every route block M (edge routings included; wgmma also with
+    work items of two blocks at M=48 and 64), and CUDA-graph
     replay of the decode plan bitwise equal to eager."""
     _needs_sm90(mma)
     from kquant_cute.reference import reference_moe
@@ -431,23 +432,28 @@ def test_sqg_e4m3_layer(bits, mma):
         err = _rel_err(out, ref)
         assert err < 1e-2, f"K={bits} {mma} m={m}: rel err {err:.3e}"
     m = 93
-    layers = {M: _layer(wts, topk=TOPK_SMALL, capacity=m, pin=M, activation="situ", mma=mma)
+    layers = {(M, 0): _layer(wts, topk=TOPK_SMALL, capacity=m, pin=M, activation="situ", mma=mma)
               for M in (8, 16, 32, 48, 64)}
+    if mma == "wgmma":  # wide items: 96 rows (K=2: two one-warpgroup workers) and 128 rows
+        layers.update({(M, 2): _layer(wts, topk=TOPK_SMALL, capacity=m, pin=M, span=2,
+                                      activation="situ", mma=mma) for M in (48, 64)})
+    if (bits, mma) == (2, "wgmma"):
+        assert layers[48, 2].plan.plan_for(m).spec.gemm_workers() == 2
     for name, ids in {"random": None,
                       "one_expert": torch.full((m, TOPK_SMALL), 3, dtype=torch.int32,
                                                device="cuda")}.items():
         x, ids, w = _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=17, ids=ids)
         ref = reference_moe(x, ids, w, wts, activation="situ", dtype=torch.float64)
         base = None
-        for M, lay in layers.items():
+        for (M, span), lay in layers.items():
             bound = lay.bind(x, ids, w)
-            assert bound.block_m == M
+            assert bound.block_m == M and (span == 0 or bound.plan.spec.span == span)
             lay.output.fill_(float("nan"))
             out = bound.run().clone()
             torch.cuda.synchronize()
-            assert _rel_err(out, ref) < 1e-2, f"{name} M={M}"
+            assert _rel_err(out, ref) < 1e-2, f"{name} M={M} span={span}"
             base = out if base is None else base
-            assert torch.equal(out, base), f"{name}: M={M} differs from M=8"
+            assert torch.equal(out, base), f"{name}: M={M} span={span} differs from M=8"
     for m in (1, 8):
         check_graph_replay(
             layer, _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=500 + m),

@@ -224,18 +224,20 @@ def test_sqg_e4m3_compiles_with_its_state_table(arch, cache):
 def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
     """Uniform K=2 sqg_e4m3 on sm_90a (the production QSRT layer): the wgmma GEMM holds the
     128 KiB pair table and as many one-warpgroup workers' rings as fit in the 101,376 B
-    left of 227 KB (one CTA per SM): a worker's ring is 4 stages x 2,048 B of K=2 words plus
-    its activation ring / epilogue tile (rows x 132 x 4 B, in 1,024-B steps), 13,312 B at
-    8 rows (4 workers, 512 threads), 41,984 B at 64 rows (2 workers, 256 threads); at 32
-    rows (M=32 runs span 1 here) a 3-stage ring, 23,552 B, lets 4 workers fit where 4
-    stages would leave 3 (`default_stages`). At
+    left of 227 KB (one CTA per SM) and as the register cap allows: a worker holds 4 stages x
+    2,048 B of K=2 words and its activation ring (4 stages x rows x 128 B; the epilogue
+    stores from registers), 12,288 B at 8 rows (4 workers, 512 threads), 24,576 B at 32 rows
+    (M=32 runs span 1 here; 4 workers), 32,768 B at 48 rows (3), 40,960 B at 64 rows (2,
+    256 threads), and 48 x 2 runs two 96-row workers on a 3-stage ring (43,008 B each). At
     the plans' block sizes it spills nothing and fits 227 KB; the mma.sync GEMM keeps the
     64 KiB direct table."""
     from kquant_cute.kernels.decode import PAIR_TABLE_BYTES, TABLE_BYTES
 
     limits = arch_limits("sm_90a")
-    for m, span, workers, stages in ((8, 1, 4, 4), (32, 1, 4, 3), (64, 1, 2, 4)):
-        spec = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=m, arch="sm_90a")
+    for m, span, workers, stages in ((8, 1, 4, 4), (32, 1, 4, 4), (48, 1, 3, 4), (64, 1, 2, 4),
+                                     (48, 2, 2, 3)):
+        spec = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=m, arch="sm_90a",
+                                        **({"span": span} if span > 1 else {}))
         assert (spec.span, spec.stages) == (span, stages) and spec.table_layout() == "pair"
         verdict = geometry_check(spec, cache)
         assert verdict.ok, (m, verdict.reason)
@@ -275,20 +277,20 @@ def test_mixed_rates_compile_on_sm90_with_a_table_per_rate(cache):
     """k3x22_k4x2 (bits_set (3, 4)) on sm_90a: both GEMM paths compile at the plans' block
     sizes with no spills; shared memory holds both 64 KiB state tables in front of B rings
     sized for K=4, which leaves one CTA per SM. mma.sync: the uniform K=4 layer's bytes plus
-    one table. wgmma: one-warpgroup workers with a ring each, as many as fit: 4 at M=8
-    (512 threads; 21,504 B each beside the 131,072 B of tables), 2 at M=64 and M=32 x 2
-    (50,176 B each, 256 threads; that is the whole 227 KB); three rates at M=8 leave room
-    for one worker only, which runs each work item on two warpgroups. The plan pair for 4,096 tokens keeps
-    M=8 / M=64. Every case's launch shape is checked; the compiled (measured) ones are the
-    plan pair's wgmma M=8 / M=64, mma.sync at M=64 and three rates at M=8: M=32 x 2 has
-    M=64's shared memory (checked), mma.sync M=8 less than mma.sync M=64."""
+    one table. wgmma: one-warpgroup workers with a ring each, as many as fit and as the
+    register cap allows: 4 at M=8 (512 threads; 20,480 B each beside the 131,072 B of
+    tables), 3 at M=32 (span 1: 32,768 B each, 384 threads), 2 at M=64 (49,152 B each, 256
+    threads); M=32 and M=64 fill the 227 KB alike. Three rates at M=8 leave room for one
+    worker only, which runs each work item on two warpgroups. The plan pair for 4,096 tokens
+    keeps M=8 / M=64. Every case's launch shape is checked; the compiled (measured) ones are
+    every wgmma case, mma.sync at M=64 and three rates at M=8 (mma.sync M=8 has less shared
+    memory than mma.sync M=64)."""
     from kquant_cute.kernels.bring import b_stage_bytes
     from kquant_cute.kernels.decode import TABLE_BYTES
 
     limits = arch_limits("sm_90a")
     # (mma, GEMM, M, rates, workers, compiled)
-    cases = [("wgmma", "TrellisWgmma", m, (3, 4), 4 if m == 8 else 2, m != 32)
-             for m in (8, 32, 64)]
+    cases = [("wgmma", "TrellisWgmma", m, (3, 4), w, True) for m, w in ((8, 4), (32, 3), (64, 2))]
     cases += [("sync", "TrellisGemm", m, (3, 4), 1, m == 64) for m in (8, 64)]
     cases += [("wgmma", "TrellisWgmma", 8, (2, 3, 4), 1, True)]
     dynamic_at = {}
@@ -405,7 +407,7 @@ def test_mixed_rate_rejections_name_the_reason():
     assert subs["gemm1"]["workers"] == 4 and base.replace(bits_set=()).gemm_workers() == 1
     assert base.replace(block_m=64, span=2).gemm_workers() == 1  # 128 rows: two warpgroups
     from kquant_cute.kernels.trellis_wgmma import TrellisWgmma
-    assert "workers 2 need work items of <= 64 rows" in TrellisWgmma.can_implement(
+    assert "workers 2 need work items of <= 96 rows" in TrellisWgmma.can_implement(
         block_m=64, k_dim=256, n_dim=256, bits=4, codebook="sqg_e4m3", stages=4, span=2,
         bits_set=(3, 4), workers=2)
     assert all("bits_set" not in a for r, a in subs.items() if not r.startswith("gemm"))
@@ -422,15 +424,15 @@ def test_sub_kernels_answer_the_same_questions():
     B ring of 4 stages x 8 tile columns x 4 k-tiles x 32 x K bytes = 16,384 B, after an A
     region: mma.sync, 4 stages x rows padded to 16 x 72 halves (64 + 8 padding) x 2 B but at
     least the epilogue's 4 warps x 16 x 40 fp32 = 10,240 B; wgmma, 4 stages x rows x 128 B
-    but at least the epilogue tile of rows x 132 fp32 (rows = span x M: M=32 runs span 2)."""
+    (its epilogue stores from registers; rows = span x M: M=32 runs span 2)."""
     b_ring = 4 * 8 * 4 * 32 * 4
     gemm_smem = {
         ("sm_120a", 8): 10_240 + b_ring,                 # 4 x 16 x 72 x 2 = 9,216 < 10,240
         ("sm_120a", 32): 4 * 32 * 72 * 2 + b_ring,
         ("sm_120a", 64): 4 * 64 * 72 * 2 + b_ring,
-        ("sm_90a", 8): 8 * 132 * 4 + b_ring,             # 4 x 8 x 128 = 4,096 < 4,224
-        ("sm_90a", 32): 64 * 132 * 4 + b_ring,           # 2 blocks of 32: 64 rows
-        ("sm_90a", 64): 64 * 132 * 4 + b_ring,
+        ("sm_90a", 8): 4 * 8 * 128 + b_ring,
+        ("sm_90a", 32): 4 * 64 * 128 + b_ring,           # 2 blocks of 32: 64 rows
+        ("sm_90a", 64): 4 * 64 * 128 + b_ring,
     }
     for (arch, m), smem in gemm_smem.items():
         gemm = "TrellisWgmma" if arch == "sm_90a" else "TrellisGemm"

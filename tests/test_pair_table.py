@@ -113,17 +113,16 @@ def test_pair_table_rejections():
 
 def test_workers_fill_the_shared_memory_the_tables_leave():
     """With one CTA per SM (the pair table, mixed rates), the wgmma GEMM runs as many
-    one-warpgroup workers (up to 4) as fit in the 232,448 B sm_90a block beside the tables.
-    By hand: a worker holds 4 B-ring stages (2,048 B at K=2, 4,096 B at K<=4) and its
-    activation ring / epilogue tile, max(4 x rows x 128, rows x 132 x 4) rounded up to
-    1,024 B. Pair table (131,072 B; 101,376 B left): 8 rows 5,120 + 8,192 = 13,312 B -> 4;
-    16 rows 9,216 + 8,192 -> 4; 32 rows 17,408 + 8,192 = 25,600 B, x 4 = 102,400 > 101,376
-    -> 3, but with a 3-stage ring 17,408 + 6,144 = 23,552 B, x 4 = 94,208 -> 4, which the
-    default ring depth takes (`default_stages`); 48 rows 25,600 + 8,192 -> 2, 3 stages
-    25,600 + 6,144 = 31,744 B -> 3; 64 rows 41,984 B -> 2 either way (4 stages kept). Rates {3, 4} (two 64 KiB tables): 16 rows 25,600 B -> 3;
-    32 rows 33,792 B, x 3 = 101,376 B exactly, but every DSL kernel also carries 1,024 B of
-    static shared memory -> 2. T12 stays at 2 (registers), and 128-row work items (two
-    warpgroups) at 1."""
+    one-warpgroup workers as fit in the 232,448 B sm_90a block beside the tables, less the
+    1,024 B of static shared memory every DSL kernel carries, and as the register cap allows
+    (`ROWS_MAX_WORKERS`: 4 up to 32 rows, 3 at 48, 2 at 64 and 96). By hand: a worker holds
+    its activation ring (stages x rows x 128 B) and its B ring (2,048 B a stage at K=2, 4,096
+    B at K<=4); the epilogue stores from registers. Pair table (131,072 B; 100,352 B left),
+    4 stages: 8 rows 4,096 + 8,192 = 12,288 B -> 4; 16 rows 16,384 B -> 4; 32 rows 24,576 B,
+    x 4 = 98,304 -> 4; 48 rows 32,768 B -> 3; 64 rows 40,960 B -> 2; 48 x 2 (96 rows) takes
+    3 stages, 36,864 + 6,144 = 43,008 B -> 2 (4 stages: 57,344 B -> 1). Rates {3, 4} (two
+    64 KiB tables, 16,384 B of B ring): 8 rows 20,480 B -> 4; 16 rows 24,576 B -> 4; 32 rows
+    32,768 B -> 3; 64 rows 49,152 B -> 2. T12 stays at 2 (registers)."""
     def spec(**kw):
         base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, bits=2,
                     codebook="sqg_e4m3", block_m=8, span=1, shared_hidden_vectors=True,
@@ -133,17 +132,21 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
 
     pair = {m: (spec(block_m=m).stages, spec(block_m=m).gemm_workers())
             for m in (8, 16, 32, 48, 64)}
-    assert pair == {8: (4, 4), 16: (4, 4), 32: (3, 4), 48: (3, 3), 64: (4, 2)}
-    assert spec(block_m=32, stages=4).gemm_workers() == 3  # a pinned ring depth is kept
+    assert pair == {8: (4, 4), 16: (4, 4), 32: (4, 4), 48: (4, 3), 64: (4, 2)}
+    assert spec(block_m=32, stages=5).gemm_workers() == 3  # a pinned ring depth is kept
+    assert spec(block_m=32, stages=6).gemm_workers() == 2
     assert spec(block_m=32).replace(block_m=64).stages == 4  # replace resolves again
-    assert spec(block_m=64, span=2).gemm_workers() == 1
+    assert spec(block_m=64, span=2).gemm_workers() == 1  # 128 rows: two warpgroups
+    wide = spec(block_m=48, span=2)
+    assert (wide.stages, wide.gemm_workers()) == (3, 2)
+    assert wide.kernel_launches()["TrellisWgmma"] == (256, PAIR_TABLE_BYTES + 2 * 43_008)
     mixed = {m: spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False).gemm_workers()
              for m in (8, 16, 32, 64)}
-    assert mixed == {8: 4, 16: 3, 32: 2, 64: 2}
+    assert mixed == {8: 4, 16: 4, 32: 3, 64: 2}
     for m in (8, 32):
         s = spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False, table_decode="t12")
         assert s.gemm_workers() == 2 and s.check() is None
-    per_worker = {8: 13_312, 16: 17_408, 32: 23_552, 48: 31_744, 64: 41_984}
+    per_worker = {8: 12_288, 16: 16_384, 32: 24_576, 48: 32_768, 64: 40_960}
     for m, (_, w) in pair.items():
         threads, smem = spec(block_m=m).kernel_launches()["TrellisWgmma"]
         assert threads == 128 * w and smem == PAIR_TABLE_BYTES + w * per_worker[m] <= 232_448 - 1_024
@@ -152,14 +155,15 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
 
 def test_default_span_at_m32_follows_the_workers():
     """M=32's default span is 2 (an expert's 64 rows decoded once), except where 32-row
-    work items fit more workers beside the tables: the pair table's 3 against 2 (above).
-    Mixed rates fit 2 workers either way (33,792 B each at 32 rows, x 3 plus the DSL's
-    1,024 B static is over the limit), so they keep 2; mma.sync has no spans."""
+    work items fit more workers beside the tables than 64-row ones (above): the pair table's
+    4 against 2, mixed rates' 3 against 2 (64 rows: the register cap's 2); mma.sync has no
+    spans."""
     base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, codebook="sqg_e4m3",
                 block_m=32, shared_hidden_vectors=True, arch="sm_90a")
     assert MoESpec(bits=2, coupled=True, **base).span == 1
     mixed = MoESpec(bits=4, bits_set=(3, 4), **base)
-    assert mixed.span == 2 and mixed.replace(span=1).gemm_workers() == 2
+    assert mixed.span == 1 and mixed.gemm_workers() == 3
+    assert mixed.replace(span=2).gemm_workers() == 2
     assert MoESpec(**dict(base, codebook="mcg"), bits=4).span == 2
     assert MoESpec(bits=3, **base).span == 2  # direct table: one worker either way
     assert MoESpec(bits=2, mma="sync", **base).span == 1
