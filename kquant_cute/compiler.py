@@ -35,7 +35,7 @@ from .kernels.gemms import GEMMS
 from .kernels.moe import MoESpec
 from .planners import (DECODE_BLOCK_M, WIDE_SPAN, GeometryVerdict, PlanEnv, RoutePlan,
                        arch_limits, check_resources, default_banded, normalize_arch, plan_routes,
-                       resolve_env, widest_wide)
+                       resolve_env)
 
 KERNEL_NAME = "w4a16_trellis_moe"
 
@@ -310,8 +310,7 @@ def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] =
         return verdict
 
     route = plan_routes(capacity, base.topk, base.num_experts, env, check, banded=banded,
-                        span_check=check if plans_wide(base) else None,
-                        wide_widest=widest_wide(base.codebook))
+                        span_check=check if plans_wide(base) else None)
     entries = {}
     for m in route.block_sizes:
         if route.verdict(m).ok:  # accepted: the check got the entry from the cache

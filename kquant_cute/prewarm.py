@@ -32,7 +32,7 @@ from .compiler import (CacheOutcome, ForwardPlan, candidate_spec, compile_plan,
 from .defaults import DEFAULT_CAPACITY, REFERENCE_LAYER
 from .kernels.moe import MoESpec
 from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, candidate_bound, default_banded,
-                        normalize_arch, plan_routes, resolve_env, widest_wide)
+                        normalize_arch, plan_routes, resolve_env)
 from .planners.plans import CandidateRole
 
 __all__ = [
@@ -267,8 +267,7 @@ def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
         return verdict
 
     route = plan_routes(capacity, spec.topk, spec.num_experts, env, check, banded=banded,
-                        span_check=check if plans_wide(spec) else None,
-                        wide_widest=widest_wide(spec.codebook))
+                        span_check=check if plans_wide(spec) else None)
     if not misses:
         return None
     # What is on disk under each missing key: a corrupt entry, or one that does not load.
@@ -389,8 +388,7 @@ def prewarm_plans(
     def bound(arch: str) -> int:
         spec = base.replace(arch=arch)
         wide = (default_banded(spec.codebook) if banded is None else banded) and plans_wide(spec)
-        return candidate_bound(capacity, base.topk, base.num_experts, env, wide=wide,
-                               widest=widest_wide(spec.codebook))
+        return candidate_bound(capacity, base.topk, base.num_experts, env, wide=wide)
 
     counter = _Counter(progress, sum(bound(a) for a in arch_names))
     return [_prewarm_arch(base, a, capacity, env, banded, cache, counter) for a in arch_names]

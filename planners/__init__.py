@@ -39,7 +39,6 @@ from .plans import (
     resolve_env,
     wide_block,
     wide_from_m,
-    widest_wide,
 )
 from .policy import (
     FILL_TARGET,
@@ -82,7 +81,6 @@ __all__ = [
     "policy_runs",
     "wide_block",
     "wide_from_m",
-    "widest_wide",
     "resolve_env",
     "route_block_sizes_for_capacity",
     "select_route_block_size_m",

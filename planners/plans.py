@@ -17,8 +17,7 @@ kernel, which is injected as a ``check(block_m) -> reason | None | GeometryVerdi
   (the scratch route list) are the route bounds a layer allocates and launches with.
 * the wide rule (:data:`WIDE_SPAN`, :func:`wide_from_m`, :func:`wide_block`): once the
   average expert's routed rows fill the widest route block, a banded plan binds work items
-  of two route blocks of one expert, at the block size the policy picks for half the rows
-  (table decodes, :data:`WIDEST_WIDE_DECODES`: at the widest block).
+  of two route blocks of one expert, at the block size the policy picks for half the rows.
 * :func:`candidate_bound` -- how many candidates a plan can ask about (progress bars).
 * :func:`default_banded` -- which plan a layer gets when it asks for none: banded, or
   the decode / prefill pair (:data:`PAIR_PLAN_DECODES`).
@@ -70,8 +69,6 @@ __all__ = [
     "wide_from_m",
     "wide_block",
     "wide_runs",
-    "WIDEST_WIDE_DECODES",
-    "widest_wide",
 ]
 
 #: Codebook decodes (``format.Codebook.decode``) whose layers default to the decode /
@@ -110,41 +107,18 @@ def wide_from_m(topk: int, num_experts: int) -> int:
     return -(-WIDE_FROM_ROWS * num_experts // topk)
 
 
-#: Codebook decodes (``format.Codebook.decode``) whose wide items take the widest block
-#: instead of the policy's M for half the rows: one decode per item costs these more than
-#: the extra padded MMA rows do (H200, 4,096 tokens: sqg_e4m3 M=64 x 2 1.1 and 1.3 % faster
-#: than 48 x 2 in two runs, mcg 48 x 2 1.5-3 % faster than 64 x 2; docs/benchmarks.md).
-WIDEST_WIDE_DECODES: tuple[str, ...] = ("table",)
-
-
-def widest_wide(codebook: str) -> bool:
-    """Whether a layer of ``codebook`` takes the widest block for its wide items
-    (:data:`WIDEST_WIDE_DECODES`).
-
-    Raises:
-        ValueError: for an unknown codebook.
-    """
-    return codebook_record(codebook).decode in WIDEST_WIDE_DECODES
-
-
-def wide_block(m: int, topk: int, num_experts: int, widest: bool = False) -> int:
+def wide_block(m: int, topk: int, num_experts: int) -> int:
     """The route block M of the wide rule's work items at ``m`` tokens: the policy's choice
     for half of each expert's rows (``select_route_block_size_m`` over ``WIDE_SPAN * E``
     experts), so an item's WIDE_SPAN blocks hold about what the average expert routes
-    (4,096 tokens, E=896, top-16: 73 rows -> M=48 x 2, 96 rows); with ``widest`` the widest
-    block (:func:`widest_wide`)."""
+    (4,096 tokens, E=896, top-16: 73 rows -> M=48 x 2, 96 rows)."""
     _check_int("m", m, minimum=1)
-    return wide_runs(m, m, topk, num_experts, widest)[0][2]
+    return wide_runs(m, m, topk, num_experts)[0][2]
 
 
-def wide_runs(lo: int, hi: int, topk: int, num_experts: int,
-              widest: bool = False) -> list[tuple[int, int, int]]:
+def wide_runs(lo: int, hi: int, topk: int, num_experts: int) -> list[tuple[int, int, int]]:
     """``[(a, b, M), ...]``: the wide rule's block M over ``m in [lo, hi]`` as maximal runs
     of one choice (:func:`wide_block`; ``[]`` when ``lo > hi``)."""
-    if widest:
-        _check_int("topk", topk, minimum=1)
-        _check_int("num_experts", num_experts, minimum=1)
-        return [(lo, hi, ROUTE_BLOCK_SIZES[-1])] if lo <= hi else []
     return policy_runs(lo, hi, topk, WIDE_SPAN * num_experts)
 
 
@@ -590,13 +564,13 @@ class RoutePlan:
 
 
 def candidate_bound(capacity: int, topk: int, num_experts: int, env: PlanEnv, *,
-                    wide: bool = False, widest: bool = False) -> int:
+                    wide: bool = False) -> int:
     """Upper bound on the sizes :func:`plan_routes` asks the check about (progress bars).
 
     Every size asked is at most the prefill candidate (the pin, else the policy's choice at
     ``capacity``): the walk goes down from it, a banded plan asks the sizes below the accepted
     one, and M=8 is the floor; with ``wide`` (a plan with a span check) the wide rule asks
-    each block it picks between :func:`wide_from_m` and ``capacity`` once (``widest``: one).
+    each block it picks between :func:`wide_from_m` and ``capacity`` once.
     Just M=8 when no prefill plan is possible.
     """
     _check_int("capacity", capacity, minimum=1)
@@ -605,8 +579,7 @@ def candidate_bound(capacity: int, topk: int, num_experts: int, env: PlanEnv, *,
     top = env.pinned_block_m or select_route_block_size_m(capacity, topk, num_experts)
     count = sum(1 for s in ROUTE_BLOCK_SIZES if s <= top)
     if wide and env.pinned_block_m is None:
-        count += len(wide_runs(_wide_lo(topk, num_experts, env), capacity, topk, num_experts,
-                               widest))
+        count += len(wide_runs(_wide_lo(topk, num_experts, env), capacity, topk, num_experts))
     return count
 
 
@@ -619,7 +592,6 @@ def plan_routes(
     *,
     banded: bool = True,
     span_check: Optional[SpanCheck] = None,
-    wide_widest: bool = False,
 ) -> RoutePlan:
     """Plan the route block M of every call with up to ``capacity`` tokens.
 
@@ -635,7 +607,7 @@ def plan_routes(
     A pinned prefill M (``env.pinned_block_m``) binds every call above the threshold: no bands.
     With ``span_check`` a banded plan also applies the wide rule: a call of at least
     :func:`wide_from_m` tokens (and above the threshold) binds :func:`wide_block` x
-    :data:`WIDE_SPAN` (``wide_widest``: at the widest block) where ``span_check(block,
+    :data:`WIDE_SPAN` where ``span_check(block,
     WIDE_SPAN)`` accepts it (blocks up to the prefill M), else its band's M as without the
     rule.
 
@@ -695,7 +667,7 @@ def plan_routes(
             runs.append((a, b, max((s for s in sizes if s <= want), default=DECODE_BLOCK_M), 0))
     wide_lo = _wide_lo(topk, num_experts, env)
     if banded and prefill_m is not None and span_check is not None and capacity >= wide_lo:
-        wide = wide_runs(wide_lo, capacity, topk, num_experts, wide_widest)
+        wide = wide_runs(wide_lo, capacity, topk, num_experts)
         ask_wide = asking("wide", WIDE_SPAN)
         split: list[tuple[int, int, int, int]] = []
         for a, b, size, span in runs:
@@ -715,8 +687,7 @@ def plan_routes(
         runs = split
         notes.append(f"wide: from m = {wide_lo:,} (the average expert's routed rows fill "
                      f"M={WIDE_FROM_ROWS}) a call binds work items of {WIDE_SPAN} route blocks "
-                     + ("of the widest M" if wide_widest else "of the policy's M for half the rows")
-                     + ", where accepted")
+                     "of the policy's M for half the rows, where accepted")
     merged: list[tuple[int, int, int, int]] = []
     for a, b, size, span in runs:
         if merged and merged[-1][2:] == (size, span):

@@ -28,7 +28,6 @@ from kquant_cute.planners import (
     select_route_block_size_m,
     wide_block,
     wide_from_m,
-    widest_wide,
 )
 from kquant_cute.planners.geometry import geometry_verdict
 
@@ -556,16 +555,3 @@ def test_wide_rule_falls_back_where_rejected_and_stays_off_where_not_asked():
     with pytest.raises(ValueError, match="wide band binds an accepted wide candidate"):
         dataclasses.replace(plan, candidates=tuple(c for c in plan.candidates if c.span == 0))
 
-
-def test_table_decodes_take_the_widest_block_for_wide_items():
-    """A table codebook (sqg_e4m3) pays more per decode, so its wide items are M=64 x 2 from
-    3,584 tokens on; arithmetic codebooks keep the policy's M for half the rows."""
-    assert widest_wide("sqg_e4m3") and not widest_wide("mcg") and not widest_wide("3inst")
-    asked = []
-    plan = plan_routes(8192, 16, 896, PlanEnv(), lambda m: None, wide_widest=True,
-                       span_check=lambda m, n: asked.append((m, n)))
-    assert asked == [(64, 2)] and plan.wide_keys == ((64, 2),)
-    assert [(b.lo, b.hi, b.key) for b in plan.bands if b.span] == [(3584, 8192, (64, 2))]
-    assert wide_block(4096, 16, 896, widest=True) == 64 and wide_block(4096, 16, 896) == 48
-    assert candidate_bound(8192, 16, 896, PlanEnv(), wide=True, widest=True) == 6
-    assert "of the widest M" in plan.describe()
