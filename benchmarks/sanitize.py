@@ -3,11 +3,11 @@ fused forward, both GEMM paths, small shapes, cold and warm compile cache.
 
     python3 benchmarks/sanitize.py --out DIR [--jobs 4] [--tools memcheck,racecheck,...]
 
-Runs `python3 benchmarks/sanitize.py --workload CACHE` under each tool: nine small layers
+Runs `python3 benchmarks/sanitize.py --workload CACHE` under each tool: ten small layers
 (E=16, H=512, I=256, top-4) whose plans cover TrellisWgmma (M=8; M=32 x 2 spans; M=64 x 2,
 two warpgroups; mcg K=3 and 4; the persistent sqg_e4m3 pair-table GEMM at K=2, coupled,
-with 4 workers at M=8 and M=32 x 1, 2 at M=64; the mixed-rate K=3/4 GEMM, with the
-direct tables and with T12 + bijection), TrellisGemm (mma.sync, M=8 and M=64, mcg K=3;
+with 4 workers at M=8 and M=32 x 1, 2 at M=64, 2 of 96 rows at M=48 x 2; the mixed-rate
+K=3/4 GEMM, with the direct tables and with T12 + bijection), TrellisGemm (mma.sync, M=8 and M=64, mcg K=3;
 sqg_e4m3 K=4 with its smem state table; mixed-rate K=3/4 at M=8/32),
 RoutePack, RotateInput / MidActivation / CombineOutput (shared and per-expert vectors,
 with and without an expert map, -1 ids, the QSRT coupled variants), each at a decode and
@@ -62,13 +62,16 @@ def workload(cache_dir: str) -> None:
                  dict(mma="wgmma", bits=2, pin=64, shared=True, emap=False,
                       codebook="sqg_e4m3", coupled=True),
                  dict(mma="wgmma", bits=4, pin=64, shared=True, emap=False, mixed=True),
-                 # four pair-table workers at M=32 x 1 on a 3-stage ring (and at M=8), with
-                 # an expert map; both compute 1 in 8 pairs (the arithmetic T12)
+                 # four pair-table workers at M=32 x 1 (and at M=8), with an expert map;
+                 # both compute 1 in 8 pairs (the arithmetic T12)
                  dict(mma="wgmma", bits=2, pin=32, span=1, shared=True, emap=True,
                       codebook="sqg_e4m3", coupled=True),
                  # mixed rates through T12 + bijection (sm_120's table decode)
                  dict(mma="wgmma", bits=4, pin=32, shared=True, emap=False, mixed=True,
-                      table_decode="t12")]
+                      table_decode="t12"),
+                 # two pair-table workers of 96 rows (M=48 x 2, one warpgroup each)
+                 dict(mma="wgmma", bits=2, pin=48, span=2, shared=True, emap=False,
+                      codebook="sqg_e4m3", coupled=True)]
     only = os.environ.get("KQ_SANITIZE_ONLY")  # one config (index), for a quick look
     if only:
         cfgs = [cfgs[int(only)]]
