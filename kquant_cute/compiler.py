@@ -33,9 +33,9 @@ from .compile_cache.store import sweep_stale
 from .kernels import build as kbuild
 from .kernels.gemms import GEMMS
 from .kernels.moe import MoESpec
-from .planners import (DECODE_BLOCK_M, WIDE_SPAN, GeometryVerdict, PlanEnv, RoutePlan,
-                       arch_limits, check_resources, default_banded, normalize_arch, plan_routes,
-                       resolve_env)
+from .planners import (DECODE_BLOCK_M, PAIR_TABLE_FILL_TARGETS, WIDE_SPAN, GeometryVerdict,
+                       PlanEnv, RoutePlan, arch_limits, check_resources, default_banded,
+                       normalize_arch, plan_routes, resolve_env)
 
 KERNEL_NAME = "w4a16_trellis_moe"
 
@@ -60,6 +60,13 @@ def plans_wide(spec: MoESpec) -> bool:
     span is not pinned (asked for 0) and its GEMM runs work items of that many blocks."""
     mma = GEMMS.get(spec.mma)
     return spec.requested[1] == 0 and mma is not None and WIDE_SPAN in mma.spans
+
+
+def plan_fill_targets(spec: MoESpec) -> tuple:
+    """The per-size route-block fill targets `spec`'s plan chooses its sizes with: the fill
+    rule's (`planners.plans.PAIR_TABLE_FILL_TARGETS`) where its GEMM decodes through the K=2
+    pair table, else () (the policy's own)."""
+    return PAIR_TABLE_FILL_TARGETS if spec.table_layout() == "pair" else ()
 
 
 def source_files() -> list[str]:
@@ -310,7 +317,8 @@ def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] =
         return verdict
 
     route = plan_routes(capacity, base.topk, base.num_experts, env, check, banded=banded,
-                        span_check=check if plans_wide(base) else None)
+                        span_check=check if plans_wide(base) else None,
+                        fill_targets=plan_fill_targets(base))
     entries = {}
     for m in route.block_sizes:
         if route.verdict(m).ok:  # accepted: the check got the entry from the cache

@@ -28,7 +28,7 @@ from typing import Any, Literal, Optional
 
 from .compile_cache import CompileCache, CompileCacheMiss, default_cache
 from .compiler import (CacheOutcome, ForwardPlan, candidate_spec, compile_plan,
-                       geometry_check_outcome, plans_wide)
+                       geometry_check_outcome, plan_fill_targets, plans_wide)
 from .defaults import DEFAULT_CAPACITY, REFERENCE_LAYER
 from .kernels.moe import MoESpec
 from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, candidate_bound, default_banded,
@@ -267,7 +267,8 @@ def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
         return verdict
 
     route = plan_routes(capacity, spec.topk, spec.num_experts, env, check, banded=banded,
-                        span_check=check if plans_wide(spec) else None)
+                        span_check=check if plans_wide(spec) else None,
+                        fill_targets=plan_fill_targets(spec))
     if not misses:
         return None
     # What is on disk under each missing key: a corrupt entry, or one that does not load.
@@ -388,7 +389,8 @@ def prewarm_plans(
     def bound(arch: str) -> int:
         spec = base.replace(arch=arch)
         wide = (default_banded(spec.codebook) if banded is None else banded) and plans_wide(spec)
-        return candidate_bound(capacity, base.topk, base.num_experts, env, wide=wide)
+        return candidate_bound(capacity, base.topk, base.num_experts, env, wide=wide,
+                               fill_targets=plan_fill_targets(spec))
 
     counter = _Counter(progress, sum(bound(a) for a in arch_names))
     return [_prewarm_arch(base, a, capacity, env, banded, cache, counter) for a in arch_names]

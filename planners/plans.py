@@ -18,6 +18,9 @@ kernel, which is injected as a ``check(block_m) -> reason | None | GeometryVerdi
 * the wide rule (:data:`WIDE_SPAN`, :func:`wide_from_m`, :func:`wide_block`): once the
   average expert's routed rows fill the widest route block, a banded plan binds work items
   of two route blocks of one expert, at the block size the policy picks for half the rows.
+* the fill rule (:data:`PAIR_TABLE_FILL_TARGETS`): a layer whose decode costs most per work
+  item (the K=2 pair table) moves to the next wider block at a lower average fill than the
+  policy's, so fewer experts overflow into a second block (``fill_targets``).
 * :func:`candidate_bound` -- how many candidates a plan can ask about (progress bars).
 * :func:`default_banded` -- which plan a layer gets when it asks for none: banded, or
   the decode / prefill pair (:data:`PAIR_PLAN_DECODES`).
@@ -40,8 +43,10 @@ from typing import Callable, Literal, Mapping, Optional, Union
 from ..kernels.format import codebook as codebook_record
 from .geometry import GeometryVerdict
 from .policy import (
+    FILL_TARGET,
     ROUTE_BLOCK_SIZES,
     _check_int,
+    check_fill_targets,
     max_route_blocks,
     padded_route_slots,
     select_route_block_size_m,
@@ -60,6 +65,7 @@ __all__ = [
     "Candidate",
     "RoutePlan",
     "plan_routes",
+    "PAIR_TABLE_FILL_TARGETS",
     "candidate_bound",
     "policy_runs",
     "PAIR_PLAN_DECODES",
@@ -105,6 +111,18 @@ def wide_from_m(topk: int, num_experts: int) -> int:
     _check_int("topk", topk, minimum=1)
     _check_int("num_experts", num_experts, minimum=1)
     return -(-WIDE_FROM_ROWS * num_experts // topk)
+
+
+#: The fill rule: ``(block size, fill target)`` of layers whose GEMM decodes through the K=2
+#: pair table (``MoESpec.table_layout() == "pair"``), instead of the policy's FILL_TARGET
+#: (M=48 keeps it). Each route block of an expert decodes its weights again, and that decode
+#: is this layer's cost, so the wider block wins before the narrower one is 90 % full on
+#: average. Measured on the H200, the production QSRT layer, one M against the next
+#: (docs/benchmarks.md, "Block boundaries of the pair-table layer"): M=16 beats 8 at 0.67
+#: of 8 rows and more (the lowest measured), 32 beats 16 from ~0.7 of 16, 48 beats 32 from
+#: ~0.8 of 32, 64 beats 48 from ~0.9 of 48 (the policy's). 48 and 64 run 3 and 2 workers per
+#: CTA, which is why the last boundary stays. Layers of other decodes keep the policy.
+PAIR_TABLE_FILL_TARGETS = ((8, 0.6), (16, 0.7), (32, 0.8))
 
 
 def wide_block(m: int, topk: int, num_experts: int) -> int:
@@ -241,11 +259,12 @@ def choose_prefill_block(
     num_experts: int,
     env: PlanEnv,
     check: GeometryCheck,
+    fill_targets: tuple = (),
 ) -> tuple[Optional[int], list[GeometryVerdict]]:
     """Pick the prefill plan's route block M and record every geometry decision.
 
     The candidate is ``env.pinned_block_m`` if set, else
-    ``select_route_block_size_m(capacity, topk, num_experts)``. ``check(M)`` is called for the
+    ``select_route_block_size_m(capacity, topk, num_experts, fill_targets)``. ``check(M)`` is called for the
     candidate and, while it returns a reason, for each next narrower size of
     :data:`~planners.policy.ROUTE_BLOCK_SIZES` down to 8.
 
@@ -267,13 +286,13 @@ def choose_prefill_block(
     """
     _check_int("capacity", capacity, minimum=1)
     if env.prefill_disabled:
-        select_route_block_size_m(capacity, topk, num_experts)  # validate the other arguments
+        select_route_block_size_m(capacity, topk, num_experts, fill_targets)  # validate the rest
         return None, []
     candidate = env.pinned_block_m
     if candidate is None:
-        candidate = select_route_block_size_m(capacity, topk, num_experts)
+        candidate = select_route_block_size_m(capacity, topk, num_experts, fill_targets)
     else:
-        select_route_block_size_m(capacity, topk, num_experts)  # validate the other arguments
+        select_route_block_size_m(capacity, topk, num_experts, fill_targets)  # validate the rest
     decisions: list[GeometryVerdict] = []
     for size in sorted((s for s in ROUTE_BLOCK_SIZES if s <= candidate), reverse=True):
         verdict = _as_verdict(size, check(size))
@@ -294,18 +313,20 @@ CandidateRole = Literal["decode", "prefill", "band", "wide", "fallback-rejected"
                         "wide-rejected"]
 
 
-def policy_runs(lo: int, hi: int, topk: int, num_experts: int) -> list[tuple[int, int, int]]:
-    """``[(a, b, M), ...]``: the route-size policy's choice over ``m in [lo, hi]``, as maximal
-    runs of one choice (the policy is monotone in ``m``, so each run is found by bisection)."""
+def policy_runs(lo: int, hi: int, topk: int, num_experts: int,
+                fill_targets: tuple = ()) -> list[tuple[int, int, int]]:
+    """``[(a, b, M), ...]``: the route-size policy's choice over ``m in [lo, hi]`` (at
+    ``fill_targets``), as maximal runs of one choice (the policy is monotone in ``m``, so each
+    run is found by bisection)."""
     _check_int("lo", lo, minimum=1)
     out: list[tuple[int, int, int]] = []
     start = lo
     while start <= hi:
-        size = select_route_block_size_m(start, topk, num_experts)
+        size = select_route_block_size_m(start, topk, num_experts, fill_targets)
         a, b = start, hi  # the largest end in [start, hi] with the same choice
         while a < b:
             mid = (a + b + 1) // 2
-            if select_route_block_size_m(mid, topk, num_experts) == size:
+            if select_route_block_size_m(mid, topk, num_experts, fill_targets) == size:
                 a = mid
             else:
                 b = mid - 1
@@ -417,6 +438,8 @@ class RoutePlan:
             among them, M=8 below the narrowest); otherwise (and without ``banded``) every
             such call binds ``prefill_m``. A banded plan asked with a span check also binds
             the wide rule from :func:`wide_from_m` tokens on, where its items are accepted.
+        fill_targets: the policy's per-size fill targets the plan chose its sizes with (the
+            fill rule, :data:`PAIR_TABLE_FILL_TARGETS`), ``()`` for the policy's own.
     """
 
     capacity: int
@@ -428,9 +451,12 @@ class RoutePlan:
     candidates: tuple[Candidate, ...] = ()
     notes: tuple[str, ...] = ()
     banded: bool = False
+    fill_targets: tuple = ()
 
     def __post_init__(self) -> None:
         _check_int("capacity", self.capacity, minimum=1)
+        if self.fill_targets:
+            check_fill_targets(self.fill_targets)
         _check_int("prefill_min_m", self.prefill_min_m, minimum=DECODE_BLOCK_M)
         if self.prefill_m is not None and self.prefill_m not in ROUTE_BLOCK_SIZES[1:]:
             raise ValueError(f"prefill_m must be one of {ROUTE_BLOCK_SIZES[1:]} or None, "
@@ -546,7 +572,8 @@ class RoutePlan:
         ]
         for band in self.bands:
             policy = ", ".join(f"M={size} for m in [{a:,}, {b:,}]" for a, b, size
-                               in policy_runs(band.lo, band.hi, self.topk, self.num_experts))
+                               in policy_runs(band.lo, band.hi, self.topk, self.num_experts,
+                                              self.fill_targets))
             lines.append(f"  m in [{band.lo:,}, {band.hi:,}]: {band.role} M={band.block_m}"
                          f"{f' x {band.span} route blocks per work item' if band.span else ''} "
                          f"({band.route_slots:,} route slots, {band.max_blocks:,} blocks)")
@@ -564,7 +591,7 @@ class RoutePlan:
 
 
 def candidate_bound(capacity: int, topk: int, num_experts: int, env: PlanEnv, *,
-                    wide: bool = False) -> int:
+                    wide: bool = False, fill_targets: tuple = ()) -> int:
     """Upper bound on the sizes :func:`plan_routes` asks the check about (progress bars).
 
     Every size asked is at most the prefill candidate (the pin, else the policy's choice at
@@ -576,7 +603,8 @@ def candidate_bound(capacity: int, topk: int, num_experts: int, env: PlanEnv, *,
     _check_int("capacity", capacity, minimum=1)
     if env.prefill_disabled or capacity <= env.prefill_min_m:
         return 1
-    top = env.pinned_block_m or select_route_block_size_m(capacity, topk, num_experts)
+    top = env.pinned_block_m or select_route_block_size_m(capacity, topk, num_experts,
+                                                          fill_targets)
     count = sum(1 for s in ROUTE_BLOCK_SIZES if s <= top)
     if wide and env.pinned_block_m is None:
         count += len(wide_runs(_wide_lo(topk, num_experts, env), capacity, topk, num_experts))
@@ -592,6 +620,7 @@ def plan_routes(
     *,
     banded: bool = True,
     span_check: Optional[SpanCheck] = None,
+    fill_targets: tuple = (),
 ) -> RoutePlan:
     """Plan the route block M of every call with up to ``capacity`` tokens.
 
@@ -607,16 +636,17 @@ def plan_routes(
     A pinned prefill M (``env.pinned_block_m``) binds every call above the threshold: no bands.
     With ``span_check`` a banded plan also applies the wide rule: a call of at least
     :func:`wide_from_m` tokens (and above the threshold) binds :func:`wide_block` x
-    :data:`WIDE_SPAN` where ``span_check(block,
-    WIDE_SPAN)`` accepts it (blocks up to the prefill M), else its band's M as without the
-    rule.
+    :data:`WIDE_SPAN` where ``span_check(block, WIDE_SPAN)`` accepts it (blocks up to the
+    prefill M), else its band's M as without the rule. ``fill_targets`` (the fill rule,
+    :data:`PAIR_TABLE_FILL_TARGETS`) replace the policy's for the prefill M and the bands;
+    the wide rule keeps the policy's.
 
     Raises:
         ValueError / TypeError: as :func:`choose_prefill_block`; any exception ``check``
             raises propagates unchanged (a frozen compile cache's miss is never a rejection).
     """
     _check_int("capacity", capacity, minimum=1)
-    select_route_block_size_m(capacity, topk, num_experts)  # validate topk / num_experts
+    select_route_block_size_m(capacity, topk, num_experts, fill_targets)  # validate the rest
     asked: dict[tuple[int, int], Candidate] = {}
 
     def asking(purpose: Purpose, span: int = 0) -> Callable[[int], GeometryVerdict]:
@@ -628,13 +658,19 @@ def plan_routes(
         return ask
 
     notes: list[str] = []
+    if fill_targets:
+        rule = ", ".join(f"M={s} at {t:g}" for s, t in check_fill_targets(fill_targets))
+        notes.append(f"fill rule: the next wider block once a block is this full on average: "
+                     f"{rule} (the policy's {FILL_TARGET:g} elsewhere): this layer's decode "
+                     "costs most per work item")
     prefill_m: Optional[int] = None
     if env.prefill_disabled:
         notes.append(f"prefill plan disabled by {ENV_PREFILL_BLOCK_M}=0")
     elif capacity <= env.prefill_min_m:
         notes.append(f"no prefill plan: capacity {capacity:,} <= threshold {env.prefill_min_m:,}")
     else:
-        prefill_m, _ = choose_prefill_block(capacity, topk, num_experts, env, asking("prefill"))
+        prefill_m, _ = choose_prefill_block(capacity, topk, num_experts, env, asking("prefill"),
+                                            fill_targets)
         if env.pinned_block_m is not None:
             notes.append(f"prefill M pinned to {env.pinned_block_m} by {ENV_PREFILL_BLOCK_M}")
         if prefill_m is None:
@@ -663,7 +699,8 @@ def plan_routes(
         runs.append((env.prefill_min_m + 1, capacity, prefill_m, 0))
     elif prefill_m is not None:
         sizes = between + [prefill_m]
-        for a, b, want in policy_runs(env.prefill_min_m + 1, capacity, topk, num_experts):
+        for a, b, want in policy_runs(env.prefill_min_m + 1, capacity, topk, num_experts,
+                                      fill_targets):
             runs.append((a, b, max((s for s in sizes if s <= want), default=DECODE_BLOCK_M), 0))
     wide_lo = _wide_lo(topk, num_experts, env)
     if banded and prefill_m is not None and span_check is not None and capacity >= wide_lo:
@@ -711,4 +748,5 @@ def plan_routes(
         candidates=tuple(asked.values()),
         notes=tuple(notes),
         banded=banded,
+        fill_targets=fill_targets,
     )

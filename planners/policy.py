@@ -4,7 +4,9 @@ This module owns the route-block arithmetic (docs/formats.md, "Route policy") an
 
 * :func:`select_route_block_size_m` -- the route policy. With ``avg = m * topk / E`` routed
   rows per expert, it picks the first block size ``s`` of :data:`ROUTE_BLOCK_SIZES` with
-  ``avg < FILL_TARGET * s`` (blocks at least ~90 % full on average), else the widest.
+  ``avg < FILL_TARGET * s`` (blocks at least ~90 % full on average), else the widest; a
+  plan may ask for other targets per size (``fill_targets``: the planner's rule for layers
+  whose decode costs more per work item, ``planners.plans.PAIR_TABLE_FILL_TARGETS``).
 * :func:`route_block_sizes_for_capacity` -- every size the policy can pick for
   ``m in [1, max_tokens]`` (the policy is monotone in ``m``, so this is a contiguous run).
 * :func:`padded_route_slots` / :func:`max_route_blocks` -- upper bounds on the packed
@@ -33,6 +35,35 @@ from ..kernels.launch import ROUTE_BLOCK_SIZES  # noqa: E402
 FILL_TARGET: float = 0.9
 
 
+def check_fill_targets(value: object) -> tuple[tuple[int, float], ...]:
+    """``value`` as a sorted tuple of ``(block size, fill target)`` pairs, else ValueError:
+    sizes of :data:`ROUTE_BLOCK_SIZES`, each at most once; targets in (0, 1]; and with the
+    other sizes at FILL_TARGET the boundaries ``target * size`` strictly increasing, so the
+    policy stays monotone in ``m``."""
+    bad = ValueError(f"fill_targets must be (block size, target in (0, 1]) pairs of distinct "
+                     f"sizes of {ROUTE_BLOCK_SIZES}, got {value!r}")
+    if not isinstance(value, (tuple, list)):
+        raise bad
+    pairs = []
+    for item in value:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise bad
+        size, target = item
+        if isinstance(size, bool) or size not in ROUTE_BLOCK_SIZES:
+            raise bad
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
+            raise bad
+        pairs.append((int(size), float(target)))
+    table = dict(pairs)
+    if len(table) != len(pairs):
+        raise bad
+    bounds = [table.get(s, FILL_TARGET) * s for s in ROUTE_BLOCK_SIZES[:-1]]
+    if any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"fill_targets {value!r}: target x size must grow with the size "
+                         f"(the policy monotone in m), got {bounds}")
+    return tuple(sorted(pairs))
+
+
 def _check_int(name: str, value: object, *, minimum: int) -> int:
     """Return ``value`` if it is an ``int`` (not ``bool``) ``>= minimum``, else raise ValueError."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -43,7 +74,8 @@ def _check_int(name: str, value: object, *, minimum: int) -> int:
     return value
 
 
-def select_route_block_size_m(m: int, topk: int, num_experts: int) -> int:
+def select_route_block_size_m(m: int, topk: int, num_experts: int,
+                              fill_targets: tuple = ()) -> int:
     """Route block size M the policy picks for ``m`` tokens routed top-``topk`` over ``num_experts``.
 
     ``avg = m * topk / num_experts``; returns the first ``s`` in :data:`ROUTE_BLOCK_SIZES` with
@@ -53,16 +85,20 @@ def select_route_block_size_m(m: int, topk: int, num_experts: int) -> int:
     as ``9 * s / 10``), which the tests check.
 
     Examples (E=896, top-16): m=16 -> 8, m=1536 -> 32, m=2048 -> 48, m=4096 -> 64.
+    ``fill_targets`` (``(size, target)`` pairs) replace FILL_TARGET for those sizes
+    (``()``: the reference's policy).
 
     Raises:
-        ValueError: if any argument is not a positive int.
+        ValueError: if any argument is not a positive int, or for ``fill_targets`` that
+            :func:`check_fill_targets` refuses.
     """
     _check_int("m", m, minimum=1)
     _check_int("topk", topk, minimum=1)
     _check_int("num_experts", num_experts, minimum=1)
+    targets = dict(check_fill_targets(fill_targets)) if fill_targets else {}
     avg = m * topk / num_experts
     for size in ROUTE_BLOCK_SIZES:
-        if avg < FILL_TARGET * size:
+        if avg < targets.get(size, FILL_TARGET) * size:
             return size
     return ROUTE_BLOCK_SIZES[-1]
 

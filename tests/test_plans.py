@@ -555,3 +555,32 @@ def test_wide_rule_falls_back_where_rejected_and_stays_off_where_not_asked():
     with pytest.raises(ValueError, match="wide band binds an accepted wide candidate"):
         dataclasses.replace(plan, candidates=tuple(c for c in plan.candidates if c.span == 0))
 
+
+
+def test_fill_rule_moves_the_bands_and_the_prefill_block():
+    """The fill rule (a pair-table layer's plan): the bands and the prefill M follow the
+    policy at PAIR_TABLE_FILL_TARGETS, so at E=896, top-16 M=16 binds from 269 tokens, 32
+    from 628, 48 from 1,434 (1,536 tokens, 27.4 rows per expert, bind 48 where the policy's
+    own targets bind 32) and 64 where the policy moves (2,420); the wide rule keeps the
+    policy's targets (4,096 tokens: M=48 x 2); the plan records its targets and says so."""
+    from kquant_cute.planners import PAIR_TABLE_FILL_TARGETS as FILL
+
+    args = (4096, 16, 896, PlanEnv(), lambda m: None)
+    plain = plan_routes(*args, span_check=lambda m, n: None)
+    ruled = plan_routes(*args, span_check=lambda m, n: None, fill_targets=FILL)
+    assert plain.band_for(1536).key == (32, 0) and ruled.band_for(1536).key == (48, 0)
+    assert [(b.lo, b.key) for b in ruled.bands] == [
+        (1, (8, 0)), (269, (16, 0)), (628, (32, 0)), (1434, (48, 0)), (2420, (64, 0)),
+        (3584, (48, 2))]
+    assert ruled.fill_targets == FILL and plain.fill_targets == ()
+    assert any("fill rule" in n for n in ruled.notes) and "fill rule" not in plain.describe()
+    assert "policy alone would pick: M=48 for m in [1,434, 2,419]" in ruled.describe()
+    assert candidate_bound(4096, 16, 896, PlanEnv(), wide=True, fill_targets=FILL) == len(
+        ruled.candidates)
+    small = plan_routes(1500, 16, 896, PlanEnv(), lambda m: None, fill_targets=FILL)
+    assert small.prefill_m == 48 and plan_routes(1500, 16, 896, PlanEnv(),
+                                                 lambda m: None).prefill_m == 32
+    with pytest.raises(ValueError, match="fill_targets"):
+        plan_routes(*args, fill_targets=((32, 1.2),))
+    with pytest.raises(ValueError, match="fill_targets"):
+        dataclasses.replace(ruled, fill_targets=((16, 0.1),))

@@ -24,6 +24,7 @@ from kquant_cute.planners import (
     select_route_block_size_m,
 )
 from kquant_cute.planners.geometry import geometry_verdict
+from kquant_cute.planners.policy import check_fill_targets
 
 
 # ---------------------------------------------------------------------------------------
@@ -286,3 +287,24 @@ def test_planners_import_without_torch():
         "assert not {'torch', 'cutlass', 'numpy'} & {m.split('.')[0] for m in sys.modules}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fill_targets_move_their_boundaries():
+    """Per-size fill targets (the fill rule) replace 0.9 at their sizes' boundaries only:
+    with ((16, 0.7), (32, 0.8)), M=32 from avg >= 11.2 rows and M=48 from 25.6, M=16 and
+    M=64 where the policy moves; () is the reference's policy. Targets outside (0, 1],
+    unknown or repeated sizes, and targets that would make the policy non-monotone in m
+    are refused."""
+    rule = ((16, 0.7), (32, 0.8))
+    assert select_route_block_size_m(1536, 16, 896) == 32
+    assert select_route_block_size_m(1536, 16, 896, rule) == 48
+    assert select_route_block_size_m(1536, 16, 896, ()) == 32
+    for s, t in ((8, 0.9), (16, 0.7), (32, 0.8), (48, 0.9)):
+        m = -(-int(round(t * 10)) * s * 896 // (10 * 16))  # the fewest tokens with avg >= t s
+        assert select_route_block_size_m(m, 16, 896, rule) > s
+        assert select_route_block_size_m(m - 1, 16, 896, rule) <= s
+    assert check_fill_targets([(32, 0.8), (16, 1)]) == ((16, 1.0), (32, 0.8))
+    for bad in ((8, 0.5), ((8, 0),), ((8, 1.5),), ((12, 0.8),), ((8, True),), ((8, 0.5), (8, 0.6)),
+                ((16, 0.3),), ((8, 1.0), (16, 0.45)), "0.8"):
+        with pytest.raises(ValueError, match="fill_targets"):
+            select_route_block_size_m(16, 16, 896, bad)
