@@ -12,7 +12,8 @@ of `block_m` rows x 128-column N tile), computed transposed: out^T = W_hat^T A^T
   warp that copy one row's 128 global bytes hit 8 distinct bank groups. (Unswizzled
   8 x 16-byte core matrices would put all 8 in the same 4 banks.)
 - Accumulators: two m64 x n fp32 tiles (output columns 0..63 and 64..127), n registers
-  per thread (n = the work item's rows; two warpgroups above 64 rows, below).
+  per thread (n = the work item's rows; above 64 rows two warpgroups of 64 columns each,
+  except a worker's item of up to `WORKER_ROWS` rows, below).
 - Epilogue: each lane stores its accumulators straight from registers to the fp32 output
   rows (`store_tile`; 8 lanes fill one 32-byte sector), so a worker's shared memory is its
   two rings: no transposing tile (16.5 KiB at 32 rows), which would cost a worker or a
@@ -48,12 +49,14 @@ next stage's top). One state table per rate (128 KiB for {3, 4}) leaves shared m
 one CTA per SM.
 Workers: where the tables leave one CTA per SM (the pair table, mixed rates), the CTA runs
 `workers` = 2..4 independent one-warpgroup workers that share the tables, as many as fit
-(`workers_for`): each has its own rings, its own named barrier, and its
-own share of the CTA's work items, which is what several uniform CTAs on the SM would do
-(one's prologue, epilogue and stage-top drain overlap the others' decode, and more
-warpgroups keep more table loads queued on the banks). Where two workers' rings do not fit
-beside the tables (three rates at M=8, spans over 64 rows) one worker runs each work item
-on two warpgroups (64 columns each).
+(`workers_for`) and as the register cap allows (`ROWS_MAX_WORKERS`: a worker's thread
+holds one fp32 accumulator per row of its item): each has its own rings, its own named barrier,
+and its own share of the CTA's work items, which is what several uniform CTAs on the SM
+would do (one's prologue, epilogue and stage-top drain overlap the others' decode, and
+more warpgroups keep more table loads queued on the banks). A worker's item may hold up
+to `WORKER_ROWS` (96) rows on its one warpgroup (48 x 2: two workers). Where two workers'
+rings do not fit beside the tables (three rates at M=8, items over 96 rows) one worker
+runs each work item on two warpgroups (64 columns each).
 """
 
 from __future__ import annotations
