@@ -8,6 +8,8 @@ per block (-1 past the packed count), the packed count, per-expert offsets and c
 An optional expert_map (global id -> local id, -1 = not on this rank) drops routes of
 experts that live elsewhere. Order within an expert follows the atomics and is not
 deterministic; consumers key their results by route id, so outputs do not depend on it.
+Both passes over the routes load `ROUTES_PER_THREAD` ids per thread before using any, so
+that many global loads are in flight per thread instead of one load, then its atomic.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from cutlass import Int32
 from . import ptx
 
 THREADS = 1024
+#: Route ids a thread loads before the first shared-memory atomic on them (coalesced: route
+#: r0 + u * THREADS + tid for u < this).
+ROUTES_PER_THREAD = 8
 
 
 def smem_bytes(num_experts: int) -> int:
@@ -70,10 +75,11 @@ class RoutePack:
         for e in range(tidx, E, THREADS):
             sCount[e] = 0
         cute.arch.sync_threads()
-        for r in range(tidx, n_routes, THREADS):
-            e = ptx.local_expert(mIds, mMap, r, self.has_map)
-            if e >= 0:
-                cute.arch.atomic_add((sCount.iterator + e).llvm_ptr, Int32(1))
+        for r0 in range(0, n_routes, THREADS * ROUTES_PER_THREAD):
+            es = self.load_experts(mIds, mMap, r0 + tidx, n_routes)
+            for u in cutlass.range_constexpr(ROUTES_PER_THREAD):
+                if es[u] >= 0:
+                    cute.arch.atomic_add((sCount.iterator + es[u]).llvm_ptr, Int32(1))
         cute.arch.sync_threads()
 
         # Padded counts of this thread's expert chunk, then an inclusive scan over threads.
@@ -115,8 +121,21 @@ class RoutePack:
         for b in range(total // M + tidx, max_blocks, THREADS):
             mBlockExpert[b] = -1
         cute.arch.sync_threads()
-        for r in range(tidx, n_routes, THREADS):
-            e = ptx.local_expert(mIds, mMap, r, self.has_map)
-            if e >= 0:
-                slot = cute.arch.atomic_add((sCursor.iterator + e).llvm_ptr, Int32(1))
-                mSorted[slot] = r
+        for r0 in range(0, n_routes, THREADS * ROUTES_PER_THREAD):
+            es = self.load_experts(mIds, mMap, r0 + tidx, n_routes)
+            for u in cutlass.range_constexpr(ROUTES_PER_THREAD):
+                if es[u] >= 0:
+                    slot = cute.arch.atomic_add((sCursor.iterator + es[u]).llvm_ptr, Int32(1))
+                    mSorted[slot] = r0 + tidx + u * THREADS
+
+    @cute.jit
+    def load_experts(self, mIds, mMap, r, n_routes: Int32):
+        """Local experts of routes r + u * THREADS, u < ROUTES_PER_THREAD (-1 past n_routes,
+        whose loads read route n_routes - 1 instead: no branch, every load issued at once)."""
+        es = cute.make_rmem_tensor((ROUTES_PER_THREAD,), Int32)
+        for u in cutlass.range_constexpr(ROUTES_PER_THREAD):
+            ru = r + u * THREADS
+            e = ptx.local_expert(mIds, mMap, Int32(cutlass.select_(ru < n_routes, ru, n_routes - 1)),
+                                 self.has_map)
+            es[u] = Int32(cutlass.select_(ru < n_routes, e, -1))
+        return es
