@@ -233,6 +233,17 @@ def st_global_f32(gmem_addr, v, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_global_v4_f32(gmem_addr, *, loc=None, ip=None):
+    """Four consecutive fp32 values from global memory in one 16-byte load (the address
+    16-byte aligned)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", loc=loc, ip=ip,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
 def copy_shared_to_global_16(gmem_addr, smem_addr, *, loc=None, ip=None):
     """16 bytes from shared to global memory through registers (ld.shared.v4 +
     st.global.v4), both addresses 16-byte aligned."""

@@ -10,6 +10,8 @@ and shuffles, fp32, in a fixed order so results do not depend on anything but th
 - `CombineOutput`: per token, the router-weighted sum over top-k of the FC2 outputs with
   FC2's output rotation (H_blk then * svh) either per route (per-expert svh) or once per
   token after the sum (shared svh), stored as fp32 / bf16 / fp16.
+A lane's four fp32 GEMM outputs of a row are consecutive and 16-byte aligned (rows and
+chunks are multiples of 128 elements, buffers 16-byte aligned): one vector load each.
 
 With `coupled` (QSRT profile k2_coupled_h512_h128, shared vectors only) the same three
 stages also apply the coupled transforms (math: kquant_cute.reference._coupled_moe):
@@ -27,7 +29,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 
 from . import ptx
 
@@ -241,7 +243,7 @@ class MidActivation:
         bit 0, t in register bit 1, lane in bits 1..5) are again a complete 128-point
         layout, and the Hadamard is a product over index bits, so fwht128 applies as is.
         """
-        mG, mU, mA2 = ptx.flat_tensor(pG), ptx.flat_tensor(pU), ptx.flat_tensor(pA2)
+        mA2 = ptx.flat_tensor(pA2)
         mSvhG, mSvhU, mSuhD = ptx.flat_tensor(pSvhG), ptx.flat_tensor(pSvhU), ptx.flat_tensor(pSuhD)
         mPre, mPost = ptx.flat_tensor(pPre), ptx.flat_tensor(pPost)
         mIds, mMap = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
@@ -255,13 +257,15 @@ class MidActivation:
                 from_up = (seg % 2) == 1
                 off = 32 * (seg // 2) + 4 * (lane % 8)
                 h = cute.make_rmem_tensor((4,), Float32)
+                slot = Int64(cutlass.select_(from_up, pU.toint(), pG.toint()))  # one read
                 for t in cutlass.range_constexpr(2):
                     b = 2 * c + t
                     src = r * self.inter + 64 * b + off
                     vsrc = e * self.inter + 64 * b + off
                     v = cute.make_rmem_tensor((4,), Float32)
+                    vals = ptx.ld_global_v4_f32(slot + Int64(src) * 4)
                     for j in cutlass.range_constexpr(4):
-                        v[j] = Float32(cutlass.select_(from_up, mU[src + j], mG[src + j]))
+                        v[j] = vals[j]
                     fwht128(v, lane)
                     for j in cutlass.range_constexpr(4):
                         sv = cutlass.select_(from_up, mSvhU[vsrc + j].to(Float32),
@@ -285,7 +289,7 @@ class MidActivation:
 
     @cute.kernel
     def kernel(self, pG, pU, pSvhG, pSvhU, pSuhD, pIds, pMap, pA2, n_routes: Int32):
-        mG, mU, mA2 = ptx.flat_tensor(pG), ptx.flat_tensor(pU), ptx.flat_tensor(pA2)
+        mA2 = ptx.flat_tensor(pA2)
         mSvhG, mSvhU, mSuhD = ptx.flat_tensor(pSvhG), ptx.flat_tensor(pSvhU), ptx.flat_tensor(pSuhD)
         mIds, mMap = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
         lane, item = warp_item()
@@ -296,9 +300,12 @@ class MidActivation:
             if e >= 0:
                 vg = cute.make_rmem_tensor((4,), Float32)
                 vu = cute.make_rmem_tensor((4,), Float32)
+                src = Int64(r * self.inter + col) * 4
+                g4 = ptx.ld_global_v4_f32(pG.toint() + src)
+                u4 = ptx.ld_global_v4_f32(pU.toint() + src)
                 for j in cutlass.range_constexpr(4):
-                    vg[j] = mG[r * self.inter + col + j]
-                    vu[j] = mU[r * self.inter + col + j]
+                    vg[j] = g4[j]
+                    vu[j] = u4[j]
                 fwht128(vg, lane)
                 fwht128(vu, lane)
                 va = cute.make_rmem_tensor((4,), Float32)
@@ -356,8 +363,8 @@ class CombineOutput:
         """One warp per (token, 512-block): the top-k sum of each 128-chunk, H128, * svh
         (FC2's output rotation), then H512 = H4 (x) H128: H128 of each chunk again and the
         H4 mix across the four."""
-        mY, mSvh, mIds, mMap, mW, mOut = (ptx.flat_tensor(pY), ptx.flat_tensor(pSvhD), ptx.flat_tensor(pIds), ptx.flat_tensor(pMap),
-                                          ptx.flat_tensor(pW), ptx.flat_tensor(pOut))
+        mSvh, mIds, mMap = ptx.flat_tensor(pSvhD), ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
+        mW, mOut = ptx.flat_tensor(pW), ptx.flat_tensor(pOut)
         lane, item = warp_item()
         if item < m * self.blocks512:
             t, base, accs = block512(item, self.blocks512, lane)
@@ -369,9 +376,11 @@ class CombineOutput:
                 e = ptx.local_expert(mIds, mMap, r, self.has_map)
                 if e >= 0:
                     w = mW[r]
+                    row = pY.toint() + Int64(r * self.hidden + base) * 4
                     for c in cutlass.range_constexpr(4):
+                        y4 = ptx.ld_global_v4_f32(row + c * CHUNK * 4)
                         for j in cutlass.range_constexpr(4):
-                            accs[c][j] = accs[c][j] + w * mY[r * self.hidden + base + c * CHUNK + j]
+                            accs[c][j] = accs[c][j] + w * y4[j]
             for c in cutlass.range_constexpr(4):
                 fwht128(accs[c], lane)
                 for j in cutlass.range_constexpr(4):
@@ -384,8 +393,8 @@ class CombineOutput:
 
     @cute.kernel
     def kernel(self, pY, pSvhD, pIds, pMap, pW, pOut, m: Int32):
-        mY, mSvh, mIds, mMap, mW, mOut = (ptx.flat_tensor(pY), ptx.flat_tensor(pSvhD), ptx.flat_tensor(pIds), ptx.flat_tensor(pMap),
-                                          ptx.flat_tensor(pW), ptx.flat_tensor(pOut))
+        mSvh, mIds, mMap = ptx.flat_tensor(pSvhD), ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
+        mW, mOut = ptx.flat_tensor(pW), ptx.flat_tensor(pOut)
         lane, item = warp_item()
         if item < m * self.chunks:
             t = item // self.chunks
@@ -397,8 +406,9 @@ class CombineOutput:
                 e = ptx.local_expert(mIds, mMap, r, self.has_map)
                 if e >= 0:
                     v = cute.make_rmem_tensor((4,), Float32)
+                    y4 = ptx.ld_global_v4_f32(pY.toint() + Int64(r * self.hidden + col) * 4)
                     for j in cutlass.range_constexpr(4):
-                        v[j] = mY[r * self.hidden + col + j]
+                        v[j] = y4[j]
                     if not self.shared_svh:
                         fwht128(v, lane)
                         for j in cutlass.range_constexpr(4):
