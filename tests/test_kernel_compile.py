@@ -255,6 +255,25 @@ def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
 
 
 @needs_cuobjdump
+def test_the_register_cap_is_where_ptxas_spills(tmp_path, monkeypatch):
+    """`ROWS_MAX_WORKERS` is measured, not a guess: without it the pair table's M=48 would
+    run 4 workers on 3-stage rings (4 x 24,576 B fit the 100,352 B beside the table) and
+    M=64 3 workers (3 x 30,720 B), and ptxas spills both at the 128 / 168 registers a
+    thread that many workers leave; with it they run 3 and 2 workers with no spills (the
+    pair-table test above)."""
+    from kquant_cute.kernels import trellis_wgmma
+
+    monkeypatch.setattr(trellis_wgmma, "ROWS_MAX_WORKERS", ((trellis_wgmma.WORKER_ROWS, 4),))
+    fresh = CompileCache(tmp_path / "c")  # the cap is no part of a cache key
+    for m, workers in ((48, 4), (64, 3)):
+        spec = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=m, arch="sm_90a")
+        assert (spec.gemm_workers(), spec.stages) == (workers, 3)
+        verdict = geometry_check(spec, fresh)
+        assert verdict.spills > 0, (m, verdict)
+        assert verdict.registers <= 65_536 // (128 * workers)
+
+
+@needs_cuobjdump
 def test_sqg_e4m3_sm120_plan_falls_back_to_a_block_that_fits(cache):
     """The 64 KiB table leaves sm_120 room for M <= 32 at K=4: the prefill plan for 4,096
     tokens (policy M=64) falls back to 32 with both rejections recorded; sm_90 keeps 64."""
