@@ -215,15 +215,6 @@ def st_shared_v2_f32(smem_addr, a, b, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def st_shared_f32(smem_addr, v, *, loc=None, ip=None):
-    """One fp32 store to shared memory."""
-    llvm.inline_asm(
-        None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), _f32(v, loc, ip)],
-        "st.shared.f32 [$0], $1;", "r,f", has_side_effects=True, loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
 def st_global_f32(gmem_addr, v, *, loc=None, ip=None):
     """One fp32 store to global memory."""
     llvm.inline_asm(
@@ -402,6 +393,7 @@ def wgmma_m64k16_f16_rs(acc, a0, a1, a2, a3, b_desc, *, loc=None, ip=None):
 __all__ = [
     "mma_f16_m16n8k16", "lop3_pair_scalar_add", "mul1_half2", "e4m3_table_pair", "e4m3_pair_entry", "e4m3_t12_pair", "hadd2", "st_shared_v2_f32",
     "copy_shared_to_global_16", "funnel_hi", "prmt_u32", "prmt2_u32",
-    "cp_async_16", "ldmatrix_x4", "wgmma_fence", "wgmma_commit", "st_shared_f32",
+    "cp_async_16", "ldmatrix_x4", "wgmma_fence", "wgmma_commit", "st_global_f32",
+    "ld_global_v4_f32",
     "wgmma_wait", "fence_proxy_async_smem", "wgmma_m64k16_f16_rs", "shfl_xor_f32", "flat_tensor", "local_expert",
 ]
