@@ -69,6 +69,16 @@ def plan_fill_targets(spec: MoESpec) -> tuple:
     return PAIR_TABLE_FILL_TARGETS if spec.table_layout() == "pair" else ()
 
 
+def spec_route_plan(spec: MoESpec, capacity: int, env: PlanEnv, check,
+                    banded: bool) -> RoutePlan:
+    """`planners.plan_routes` for `spec`'s shape with the spec's own rules: the wide rule
+    where `plans_wide(spec)` (`check(block_m, span)` answers its items too) and the fill
+    rule's targets (`plan_fill_targets`). Every planner of a layer asks through here."""
+    return plan_routes(capacity, spec.topk, spec.num_experts, env, check, banded=banded,
+                       span_check=check if plans_wide(spec) else None,
+                       fill_targets=plan_fill_targets(spec))
+
+
 def source_files() -> list[str]:
     """Files whose bytes key the cache: the kernel package alone (the kernels, their format
     constants, the launch contract and the compile step in `kernels/build.py`). The
@@ -316,9 +326,7 @@ def compile_plan(base: MoESpec, *, capacity: int, arch, env: Optional[PlanEnv] =
             outcomes[block_m] = outcome
         return verdict
 
-    route = plan_routes(capacity, base.topk, base.num_experts, env, check, banded=banded,
-                        span_check=check if plans_wide(base) else None,
-                        fill_targets=plan_fill_targets(base))
+    route = spec_route_plan(base, capacity, env, check, banded)
     entries = {}
     for m in route.block_sizes:
         if route.verdict(m).ok:  # accepted: the check got the entry from the cache

@@ -28,11 +28,12 @@ from typing import Any, Literal, Optional
 
 from .compile_cache import CompileCache, CompileCacheMiss, default_cache
 from .compiler import (CacheOutcome, ForwardPlan, candidate_spec, compile_plan,
-                       geometry_check_outcome, plan_fill_targets, plans_wide)
+                       geometry_check_outcome, plan_fill_targets, plans_wide,
+                       spec_route_plan)
 from .defaults import DEFAULT_CAPACITY, REFERENCE_LAYER
 from .kernels.moe import MoESpec
 from .planners import (DECODE_BLOCK_M, GeometryVerdict, PlanEnv, candidate_bound, default_banded,
-                        normalize_arch, plan_routes, resolve_env)
+                        normalize_arch, resolve_env)
 from .planners.plans import CandidateRole
 
 __all__ = [
@@ -266,9 +267,7 @@ def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
             answers.setdefault((block_m, span), outcome.result.status)
         return verdict
 
-    route = plan_routes(capacity, spec.topk, spec.num_experts, env, check, banded=banded,
-                        span_check=check if plans_wide(spec) else None,
-                        fill_targets=plan_fill_targets(spec))
+    route = spec_route_plan(spec, capacity, env, check, banded)
     if not misses:
         return None
     # What is on disk under each missing key: a corrupt entry, or one that does not load.

@@ -646,6 +646,7 @@ def plan_routes(
             raises propagates unchanged (a frozen compile cache's miss is never a rejection).
     """
     _check_int("capacity", capacity, minimum=1)
+    fill_targets = check_fill_targets(fill_targets) if fill_targets else ()
     select_route_block_size_m(capacity, topk, num_experts, fill_targets)  # validate the rest
     asked: dict[tuple[int, int], Candidate] = {}
 
@@ -659,7 +660,7 @@ def plan_routes(
 
     notes: list[str] = []
     if fill_targets:
-        rule = ", ".join(f"M={s} at {t:g}" for s, t in check_fill_targets(fill_targets))
+        rule = ", ".join(f"M={s} at {t:g}" for s, t in fill_targets)
         notes.append(f"fill rule: the next wider block once a block is this full on average: "
                      f"{rule} (the policy's {FILL_TARGET:g} elsewhere): this layer's decode "
                      "costs most per work item")
