@@ -22,7 +22,8 @@ Spans (`span` > 1): one work item covers `span` consecutive route blocks of one 
 (rows = span x block_m, the wgmma n), so an expert with up to that many routed rows is
 decoded once per N tile instead of once per block. The leader CTA of a span (the block
 whose index within its expert's blocks is a multiple of `span`) does the work; the others
-exit. With rows > 64 the CTA has two warpgroups, each owning 64 of the 128 columns (one
+exit. A persistent grid deals groups of `span` consecutive blocks (each holds a leader), so
+the empty items do not take a worker's turn. With rows > 64 the CTA has two warpgroups, each owning 64 of the 128 columns (one
 m64 wgmma per k step), so accumulators stay at rows / 2 per thread.
 Real rows are a prefix of the work item (per-expert counts from the route pack): rows past
 them are neither copied nor stored, and the wgmma n is the smallest of `n_variants`
@@ -429,10 +430,28 @@ class TrellisWgmma(GemmClass):
                     # visible before the workers part (their barriers are their own).
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.sync_threads()
-            for work in range(first, total, stride):
-                self.work_item(work, operands, groups, gaddrs, n_routes, a_saddr, b_saddr, sB,
-                               rAsrc, rRoute, acc, lane_ctx, rates)
-                self.sync()  # the next item's copies refill buffers a slower warp may read
+            if cutlass.const_expr(self.span > 1):
+                # Deal groups of `span` consecutive blocks, not blocks: a span's other
+                # blocks are empty items, and with the grid stride a multiple of the
+                # period of leaders (span x n_tiles x operands works) dealing blocks gave
+                # some SMs only leaders and others only empty items. Every group holds a
+                # leader (no expert has `span` non-leaders in a row), rarely more.
+                per_block = operands * self.ring.n_tiles
+                for gwork in range(first, (num_blocks + self.span - 1) // self.span * per_block,
+                                   stride):
+                    grp = gwork // per_block
+                    rest = gwork - grp * per_block
+                    for blk in range(grp * self.span,
+                                     cutlass.min(grp * self.span + self.span, num_blocks)):
+                        self.work_item(blk * per_block + rest, operands, groups, gaddrs,
+                                       n_routes, a_saddr, b_saddr, sB, rAsrc, rRoute, acc,
+                                       lane_ctx, rates)
+                        self.sync()  # the next item's copies refill buffers a slower warp reads
+            else:
+                for work in range(first, total, stride):
+                    self.work_item(work, operands, groups, gaddrs, n_routes, a_saddr, b_saddr,
+                                   sB, rAsrc, rRoute, acc, lane_ctx, rates)
+                    self.sync()  # the next item's copies refill buffers a slower warp may read
             cute.arch.cp_async_wait_group(0)  # a CTA whose items were all empty: the table
         else:
             work = bidx

@@ -439,9 +439,15 @@ def test_sqg_e4m3_layer(bits, mma):
                                       activation="situ", mma=mma) for M in (48, 64)})
     if (bits, mma) == (2, "wgmma"):
         assert layers[48, 2].plan.plan_for(m).spec.gemm_workers() == 2
+    # skewed: 1 / 2 / 3 / 0 / 4 / 1 / 1 blocks of 48 rows per expert, so groups of two
+    # blocks hold one leader, or two where an expert has an odd count.
+    counts = torch.tensor([1, 49, 97, 0, 145, 48, 32] + [0] * (E_SMALL - 7))
+    skewed = torch.repeat_interleave(torch.arange(E_SMALL), counts)
+    skewed = skewed[torch.randperm(skewed.numel(), generator=torch.Generator().manual_seed(5))]
     for name, ids in {"random": None,
                       "one_expert": torch.full((m, TOPK_SMALL), 3, dtype=torch.int32,
-                                               device="cuda")}.items():
+                                               device="cuda"),
+                      "skewed": skewed.view(m, TOPK_SMALL).to(torch.int32).cuda()}.items():
         x, ids, w = _inputs(m, H_SMALL, TOPK_SMALL, E_SMALL, torch.bfloat16, seed=17, ids=ids)
         ref = reference_moe(x, ids, w, wts, activation="situ", dtype=torch.float64)
         base = None
