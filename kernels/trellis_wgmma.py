@@ -55,8 +55,9 @@ holds one fp32 accumulator per row of its item): each has its own rings, its own
 and its own share of the CTA's work items, which is what several uniform CTAs on the SM
 would do (one's prologue, epilogue and stage-top drain overlap the others' decode, and
 more warpgroups keep more table loads queued on the banks). A worker's item may hold up
-to `WORKER_ROWS` (96) rows on its one warpgroup (48 x 2: two workers). Where two workers'
-rings do not fit beside the tables (three rates at M=8, items over 96 rows) one worker
+to `WORKER_ROWS` (96) rows on its one warpgroup (48 x 2: two workers on 3-stage rings,
+`default_stages`). Where two workers' rings do not fit beside the tables (three rates at
+M=8, items over 96 rows) one worker
 runs each work item on two warpgroups (64 columns each).
 """
 
@@ -191,13 +192,18 @@ class TrellisWgmma(GemmClass):
     @classmethod
     def default_stages(cls, smem_limit: int | None = None, **args) -> int:
         """The ring depth a plan uses when none is pinned: `DEFAULT_STAGES`, or one stage
-        less where that lets one more worker share the pair table (48 x 2: 2 workers of 96
-        rows instead of 1). More warpgroups queued on the table's banks paid more than the
-        deeper ring (docs/benchmarks.md); needs `smem_limit` and the geometry."""
-        if smem_limit is None or not args.get("pair_table"):
+        less where a work item wider than one warpgroup's 64 rows would otherwise run as one
+        worker on two warpgroups and the shallower rings fit two one-warpgroup workers beside
+        the tables (48 x 2 items of the pair table and of mixed rates). Two independent
+        workers keep more decode loads queued on the banks than two warpgroups that meet at
+        every stage, which paid more than the deeper ring (docs/benchmarks.md); needs
+        `smem_limit` and the geometry."""
+        if smem_limit is None or args.get("span", 1) * args["block_m"] <= 64:
             return DEFAULT_STAGES
-        return max((DEFAULT_STAGES, DEFAULT_STAGES - 1),
-                   key=lambda st: (cls.workers_for(smem_limit, stages=st, **args), st))
+        if (cls.workers_for(smem_limit, stages=DEFAULT_STAGES, **args) == 1
+                and cls.workers_for(smem_limit, stages=DEFAULT_STAGES - 1, **args) > 1):
+            return DEFAULT_STAGES - 1
+        return DEFAULT_STAGES
 
     @staticmethod
     def threads_for(*, block_m: int, span: int = 1, bits_set: tuple = (), workers: int = 1,

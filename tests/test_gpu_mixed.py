@@ -169,9 +169,10 @@ def test_t12_decode_every_state_through_gemm(mma):
 
 
 def _check_layer(wts, *, mma=None, ms=(1, 7, 16, 160), blocks=(8, 16, 32, 48, 64), graphs=True,
-                 act="situ", table_decode=None):
-    """fp64 reference at several m (NaN-poisoned outputs), bitwise equality across M on
-    random and skewed routings, and graph replay of the decode plan equal to eager."""
+                 act="situ", table_decode=None, wide=()):
+    """fp64 reference at several m (NaN-poisoned outputs), bitwise equality across M (and
+    the `wide` (M, span) work items) on random and skewed routings, and graph replay of the
+    decode plan equal to eager."""
     from kquant_cute.reference import reference_moe
 
     e, h = wts.num_experts, wts.hidden
@@ -187,8 +188,10 @@ def _check_layer(wts, *, mma=None, ms=(1, 7, 16, 160), blocks=(8, 16, 32, 48, 64
         err = _rel_err(out, ref)
         assert err < 1e-2, f"m={m}: rel err {err:.3e}"
     m = 93
-    layers = {M: _layer(wts, topk=TOPK, capacity=m, pin=M, activation=act, **knobs)
+    layers = {(M, 1): _layer(wts, topk=TOPK, capacity=m, pin=M, activation=act, **knobs)
               for M in blocks}
+    layers.update({(M, span): _layer(wts, topk=TOPK, capacity=m, pin=M, span=span,
+                                     activation=act, **knobs) for M, span in wide})
     routings = {"random": None,
                 "one_expert": torch.full((m, TOPK), 1, dtype=torch.int32, device="cuda"),
                 "two_experts": (torch.arange(m * TOPK, device="cuda") % 2).view(m, TOPK).to(torch.int32)}
@@ -196,15 +199,15 @@ def _check_layer(wts, *, mma=None, ms=(1, 7, 16, 160), blocks=(8, 16, 32, 48, 64
         x, ids, w = _inputs(m, h, TOPK, e, torch.bfloat16, seed=17, ids=ids)
         ref = reference_moe(x, ids, w, wts, activation=act, dtype=torch.float64)
         base = None
-        for M, lay in layers.items():
+        for (M, span), lay in layers.items():
             bound = lay.bind(x, ids, w)
-            assert bound.block_m == M
+            assert bound.block_m == M and (span == 1 or bound.plan.spec.span == span)
             lay.output.fill_(float("nan"))
             out = bound.run().clone()
             torch.cuda.synchronize()
-            assert _rel_err(out, ref) < 1e-2, f"{name} M={M}"
+            assert _rel_err(out, ref) < 1e-2, f"{name} M={M} span={span}"
             base = out if base is None else base
-            assert torch.equal(out, base), f"{name}: M={M} differs from M={blocks[0]}"
+            assert torch.equal(out, base), f"{name}: M={M} span={span} differs from M={blocks[0]}"
     if not graphs:
         return
     for m in (1, 8):
@@ -216,7 +219,8 @@ def _check_layer(wts, *, mma=None, ms=(1, 7, 16, 160), blocks=(8, 16, 32, 48, 64
 def test_mixed_layer(mma):
     """Random K3 / K4 records (FC2 switching every 64 channels) on both GEMM paths."""
     _needs_sm90(mma)
-    _check_layer(_mixed((3, 4), seed=61), mma=mma)
+    # wgmma: also 48 x 2 items, two workers on 3-stage rings (`default_stages`)
+    _check_layer(_mixed((3, 4), seed=61), mma=mma, wide=((48, 2),) if mma == "wgmma" else ())
 
 
 def test_mixed_layer_t12():

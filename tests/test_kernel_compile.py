@@ -256,18 +256,19 @@ def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
 
 @needs_cuobjdump
 def test_the_register_cap_is_where_ptxas_spills(tmp_path, monkeypatch):
-    """`ROWS_MAX_WORKERS` is measured, not a guess: without it the pair table's M=48 would
-    run 4 workers on 3-stage rings (4 x 24,576 B fit the 100,352 B beside the table) and
+    """`ROWS_MAX_WORKERS` is measured, not a guess: without it the pair table's M=48 on
+    3-stage rings would run 4 workers (4 x 24,576 B fit the 100,352 B beside the table) and
     M=64 3 workers (3 x 30,720 B), and ptxas spills both at the 128 / 168 registers a
-    thread that many workers leave; with it they run 3 and 2 workers with no spills (the
-    pair-table test above)."""
+    thread that many workers leave; with it the default 4-stage plans run 3 and 2 workers
+    with no spills (the pair-table test above)."""
     from kquant_cute.kernels import trellis_wgmma
 
     monkeypatch.setattr(trellis_wgmma, "ROWS_MAX_WORKERS", ((trellis_wgmma.WORKER_ROWS, 4),))
     fresh = CompileCache(tmp_path / "c")  # the cap is no part of a cache key
     for m, workers in ((48, 4), (64, 3)):
-        spec = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=m, arch="sm_90a")
-        assert (spec.gemm_workers(), spec.stages) == (workers, 3)
+        spec = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=m, arch="sm_90a",
+                                        stages=3)
+        assert spec.gemm_workers() == workers
         verdict = geometry_check(spec, fresh)
         assert verdict.spills > 0, (m, verdict)
         assert verdict.registers <= 65_536 // (128 * workers)
@@ -299,7 +300,8 @@ def test_mixed_rates_compile_on_sm90_with_a_table_per_rate(cache):
     one table. wgmma: one-warpgroup workers with a ring each, as many as fit and as the
     register cap allows: 4 at M=8 (512 threads; 20,480 B each beside the 131,072 B of
     tables), 3 at M=32 (span 1: 32,768 B each, 384 threads), 2 at M=64 (49,152 B each, 256
-    threads); M=32 and M=64 fill the 227 KB alike. Three rates at M=8 leave room for one
+    threads); M=32 and M=64 fill the 227 KB alike; 48 x 2 items run two 96-row workers on
+    3-stage rings (49,152 B each). Three rates at M=8 leave room for one
     worker only, which runs each work item on two warpgroups. The plan pair for 4,096 tokens
     keeps M=8 / M=64. Every case's launch shape is checked; the compiled (measured) ones are
     every wgmma case, mma.sync at M=64 and three rates at M=8 (mma.sync M=8 has less shared
@@ -334,6 +336,13 @@ def test_mixed_rates_compile_on_sm90_with_a_table_per_rate(cache):
         assert len(gemms) == 2  # FC1 (gate and up: one launch) and FC2
         assert all(dynamic <= g["shared"] <= limits.smem_per_block_optin for g in gemms)
     assert dynamic_at["wgmma", 32, (3, 4)] == dynamic_at["wgmma", 64, (3, 4)]
+    wide = DEFAULT_GEOMETRY.replace(block_m=48, span=2, arch="sm_90a", mma="wgmma",
+                                    **dict(MIXED, bits_set=(3, 4)))
+    assert (wide.stages, wide.gemm_workers()) == (3, 2)
+    assert wide.kernel_launches()["TrellisWgmma"] == (256, 2 * TABLE_BYTES + 2 * 49_152)
+    verdict = geometry_check(wide, cache)
+    assert verdict.ok and verdict.spills == 0, verdict.reason
+    assert verdict.registers <= limits.regs_per_thread_max
     assert dynamic_at["sync", 8, (3, 4)] < dynamic_at["sync", 64, (3, 4)]
     base = DEFAULT_GEOMETRY.replace(**MIXED)
     plan = plan_forward(base, capacity=4096, arch="sm_90", env=resolve_env({}), cache=cache)

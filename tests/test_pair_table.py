@@ -122,7 +122,8 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     x 4 = 98,304 -> 4; 48 rows 32,768 B -> 3; 64 rows 40,960 B -> 2; 48 x 2 (96 rows) takes
     3 stages, 36,864 + 6,144 = 43,008 B -> 2 (4 stages: 57,344 B -> 1). Rates {3, 4} (two
     64 KiB tables, 16,384 B of B ring): 8 rows 20,480 B -> 4; 16 rows 24,576 B -> 4; 32 rows
-    32,768 B -> 3; 64 rows 49,152 B -> 2. T12 stays at 2 (registers)."""
+    32,768 B -> 3; 64 rows 49,152 B -> 2; 48 x 2 also takes 3 stages, 36,864 + 12,288 =
+    49,152 B -> 2 (4 stages: 65,536 B -> 1). T12 stays at 2 (registers)."""
     def spec(**kw):
         base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, bits=2,
                     codebook="sqg_e4m3", block_m=8, span=1, shared_hidden_vectors=True,
@@ -143,6 +144,11 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     mixed = {m: spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False).gemm_workers()
              for m in (8, 16, 32, 64)}
     assert mixed == {8: 4, 16: 4, 32: 3, 64: 2}
+    assert {m: spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False).stages
+            for m in (8, 16, 32, 48, 64)} == dict.fromkeys((8, 16, 32, 48, 64), 4)
+    mixed_wide = spec(block_m=48, span=2, bits=4, bits_set=(3, 4), coupled=False)
+    assert (mixed_wide.stages, mixed_wide.gemm_workers()) == (3, 2)
+    assert mixed_wide.kernel_launches()["TrellisWgmma"] == (256, 2 * 65_536 + 2 * 49_152)
     for m in (8, 32):
         s = spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False, table_decode="t12")
         assert s.gemm_workers() == 2 and s.check() is None
