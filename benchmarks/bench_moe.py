@@ -2,8 +2,9 @@
 
 Prints a table (tokens x route block M, plus the M the plan picks) for the Kimi-K3 TP8
 shard of docs/formats.md, "Reference geometry" (E=896, H=3584, I=384, top-16, K=4 mcg,
-bf16, SiTU, shared hidden-side vectors, balanced random routing). Each cell: median over
-`--iters` graph replays after warm-up, rotating `--sets` input sets. Usage:
+bf16, SiTU, shared hidden-side vectors, balanced random routing). Each cell: the mean over
+four input sets (routings) of each set's median over `--iters` graph replays, after
+warm-up. Usage:
 
     python benchmarks/bench_moe.py [--tokens 16 128 ...] [--blocks 8 16 32] [--json FILE]
 
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -33,8 +36,18 @@ def bound_label(layer, m):
     return f"{band.block_m}x{band.span}" if band.span else band.block_m
 
 
-def time_layer(layer, m, sets=4, iters=50, warmup=5):
-    """(median ms, bound M, output of input set 0 after the timing) for `layer` at m."""
+class LayerTime(NamedTuple):
+    ms: float  # mean over the input sets of each set's median replay time
+    block_m: int  # the route block M the last set bound
+    out: torch.Tensor  # input set 0's output after the timing
+    per_set: list  # each set's median ms
+
+
+def time_layer(layer, m, sets=4, iters=50, warmup=5) -> LayerTime:
+    """`layer` at m tokens over `sets` routings drawn from one generator, each captured in a
+    graph and timed on its own: the routing can change the time (how the work items fall on
+    the SMs), and a median over replays that cycle the sets would land between two groups
+    of sets and show neither."""
     H, topk, E = layer.weights.hidden, layer.topk, layer.weights.num_experts
     gen = torch.Generator(device="cuda").manual_seed(m)
     inputs = []
@@ -51,11 +64,11 @@ def time_layer(layer, m, sets=4, iters=50, warmup=5):
     for i in range(warmup):
         graphs[i % sets].replay()
     torch.cuda.synchronize()
-    ms = graph_median_ms(graphs, iters)
+    per_set = [graph_median_ms([g], iters) for g in graphs]
     layer.output.fill_(float("nan"))  # an element the replay does not write stays NaN
     graphs[0].replay()
     torch.cuda.synchronize()
-    return ms, block_m, layer.output[:m].clone()
+    return LayerTime(statistics.mean(per_set), block_m, layer.output[:m].clone(), per_set)
 
 
 def peer_and_floors(peer, wts, m, ceilings, decode=None, iters=30):
@@ -88,19 +101,19 @@ def run_table(wts, tokens, blocks, *, iters, knobs, peer=None, ceilings=None, de
         for M in blocks:
             env = {"KQUANT_W4A16_PREFILL_BLOCK_M": str(M), "KQUANT_W4A16_PREFILL_MIN_M": "8"}
             layer = MoELayer(wts, topk=16, capacity=m, activation="situ", environ=env, **knobs)
-            ms, used, out = time_layer(layer, m, iters=iters)
-            row[f"M{M}"] = ms if used == M or m <= 8 else None
-            outs.append(out)
+            t = time_layer(layer, m, iters=iters)
+            row[f"M{M}"] = t.ms if t.block_m == M or m <= 8 else None
+            outs.append(t.out)
             del layer
         layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ", banded=False,
                          **knobs)  # the decode/prefill pair plan
-        row["plan"], row["plan_M"], out = time_layer(layer, m, iters=iters)
+        row["plan"], row["plan_M"], out, _ = time_layer(layer, m, iters=iters)
         outs.append(out)
         row["gemm"] = layer.plan.plan_for(m).spec.mma
         del layer
         layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ",
                          **knobs)  # the default (banded) plan
-        row["banded"], _, out = time_layer(layer, m, iters=iters)
+        row["banded"], _, out, row["banded_sets"] = time_layer(layer, m, iters=iters)
         row["banded_M"] = bound_label(layer, m)
         outs.append(out)
         del layer

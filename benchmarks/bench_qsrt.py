@@ -112,9 +112,10 @@ def run(tokens, iters, columns=tuple(PROFILES), peer=True, decode=True):
         bf16 = Bf16GroupedMoE(wts, topk=TOPK, activation="situ") if peer and name == "mcg_k4" else None
         for m in tokens:
             row = rows[m]
-            ms, _, out = time_layer(plan, m, iters=iters)
-            _, _, out8 = time_layer(m8, m, iters=3)
+            ms, _, out, per_set = time_layer(plan, m, iters=iters)
+            out8 = time_layer(m8, m, iters=3).out
             row[name] = ms
+            row[f"{name}_sets"] = per_set
             row[f"{name}_M"] = bound_label(plan, m)
             row[f"{name}_bitwise"] = bool(not torch.isnan(out).any() and torch.equal(out, out8))
             gen = torch.Generator(device="cuda").manual_seed(m)
