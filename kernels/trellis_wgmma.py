@@ -23,8 +23,9 @@ Spans (`span` > 1): one work item covers `span` consecutive route blocks of one 
 decoded once per N tile instead of once per block. The leader CTA of a span (the block
 whose index within its expert's blocks is a multiple of `span`) does the work; the others
 exit. A persistent grid deals groups of `span` consecutive blocks (each holds a leader), so
-the empty items do not take a worker's turn. With rows > 64 the CTA has two warpgroups, each owning 64 of the 128 columns (one
-m64 wgmma per k step), so accumulators stay at rows / 2 per thread.
+the empty items do not take a worker's turn. With rows > 64 the CTA has two warpgroups,
+each owning 64 of the 128 columns (one m64 wgmma per k step), so accumulators stay at
+rows / 2 per thread.
 Real rows are a prefix of the work item (per-expert counts from the route pack): rows past
 them are neither copied nor stored, and the wgmma n is the smallest of `n_variants`
 (multiples of 16) that covers them, one main-loop copy per variant.
@@ -57,8 +58,8 @@ would do (one's prologue, epilogue and stage-top drain overlap the others' decod
 more warpgroups keep more table loads queued on the banks). A worker's item may hold up
 to `WORKER_ROWS` (96) rows on its one warpgroup (48 x 2: two workers on 3-stage rings,
 `default_stages`). Where two workers' rings do not fit beside the tables (three rates at
-M=8, items over 96 rows) one worker
-runs each work item on two warpgroups (64 columns each).
+M=8, items over 96 rows) one worker runs each work item on two warpgroups (64 columns
+each).
 """
 
 from __future__ import annotations
@@ -441,7 +442,8 @@ class TrellisWgmma(GemmClass):
                 # blocks are empty items, and with the grid stride a multiple of the
                 # period of leaders (span x n_tiles x operands works) dealing blocks gave
                 # some SMs only leaders and others only empty items. Every group holds a
-                # leader (no expert has `span` non-leaders in a row), rarely more.
+                # leader (no expert has `span` non-leaders in a row); more than one where
+                # experts end inside it.
                 per_block = operands * self.ring.n_tiles
                 for gwork in range(first, (num_blocks + self.span - 1) // self.span * per_block,
                                    stride):
