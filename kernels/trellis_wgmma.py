@@ -414,7 +414,8 @@ class TrellisWgmma(GemmClass):
             widx, q0 = lane_words(lane, self.ring.bits)
 
         num_blocks = mNumPadded[0] // self.block_m
-        total = num_blocks * operands * self.ring.n_tiles
+        per_block = operands * self.ring.n_tiles  # works of one route block
+        total = num_blocks * per_block
         rAsrc = cute.make_rmem_tensor((self.a_iters,), Int32)
         rRoute = cute.make_rmem_tensor((self.route_regs,), Int32)
         acc = cute.make_rmem_tensor((self.m64_per_wg, self.n_acc), Float32)
@@ -443,8 +444,7 @@ class TrellisWgmma(GemmClass):
                 # period of leaders (span x n_tiles x operands works) dealing blocks gave
                 # some SMs only leaders and others only empty items. Every group holds a
                 # leader (no expert has `span` non-leaders in a row); more than one where
-                # experts end inside it.
-                per_block = operands * self.ring.n_tiles
+                # experts end inside it. (Span 1 keeps the plain loop below.)
                 for gwork in range(first, (num_blocks + self.span - 1) // self.span * per_block,
                                    stride):
                     grp = gwork // per_block

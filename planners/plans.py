@@ -285,14 +285,10 @@ def choose_prefill_block(
         miss): only a returned reason means "this geometry does not fit".
     """
     _check_int("capacity", capacity, minimum=1)
+    policy_m = select_route_block_size_m(capacity, topk, num_experts, fill_targets)  # validates
     if env.prefill_disabled:
-        select_route_block_size_m(capacity, topk, num_experts, fill_targets)  # validate the rest
         return None, []
-    candidate = env.pinned_block_m
-    if candidate is None:
-        candidate = select_route_block_size_m(capacity, topk, num_experts, fill_targets)
-    else:
-        select_route_block_size_m(capacity, topk, num_experts, fill_targets)  # validate the rest
+    candidate = policy_m if env.pinned_block_m is None else env.pinned_block_m
     decisions: list[GeometryVerdict] = []
     for size in sorted((s for s in ROUTE_BLOCK_SIZES if s <= candidate), reverse=True):
         verdict = _as_verdict(size, check(size))
