@@ -109,13 +109,15 @@ class TrellisDecode:
             stage_table(pTable, tab, tidx, self.threads, self.gemm.table_bytes,
                         self.gemm.table_offset)
             first, stride = bidx, gdim
-            if cutlass.const_expr(self.workers > 1):  # worker wk: its ring, every workers-th item
+            if cutlass.const_expr(self.workers > 1):  # worker wk: its ring, its share of items
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.sync_threads()
                 wk = tidx // THREADS
                 tidx = tidx - wk * THREADS
                 sB = cute.make_tensor(sB.iterator + wk * ring_words, cute.make_layout(ring_words))
-                first, stride = bidx * self.workers + wk, gdim * self.workers
+                # As the GEMM deals them: consecutive items to consecutive CTAs first, so a
+                # short launch reaches every SM before any SM's second worker starts.
+                first, stride = bidx + wk * gdim, gdim * self.workers
             for work in range(first, n_items, stride):
                 self.item(work, pB, mExperts, mOut, sB, tab, tidx)
                 self.sync()  # the next item refills the ring
@@ -216,7 +218,7 @@ def reference_checksum(trellis, experts, codebook: str):
 def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: str = "sm_90a",
                    stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1, mma_rows: int = 0,
                    decode: bool = True, cubin_dir: str | None = None, pair_table: bool = False,
-                   table_decode: str = "direct"):
+                   table_decode: str = "direct", workers: int | None = None):
     """Cross-compile the decode-only kernel (`TrellisDecode`) for one projection
     shape; returns (the JIT-compiled callable, its measured resources). The callable takes
     (trellis, experts, out, table) pointers, the expert count, the device's SM count and a
@@ -234,7 +236,9 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
     from kquant_cute.kernels.build import compile_measured
     from kquant_cute.kernels.bring import SMEM_RESERVED_PER_CTA
 
-    ctas, workers = 1, 2 if pair_table else 1
+    ctas = 1
+    if workers is None:
+        workers = 2 if pair_table else 1
     if table_bytes(codebook):
         per_sm = cutlass.memory.get_smem_capacity_in_bytes(arch.removesuffix("a")) + SMEM_RESERVED_PER_CTA
         need = (TrellisDecode.smem(bits, stages, codebook, pair_table, workers, table_decode)

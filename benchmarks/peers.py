@@ -88,7 +88,8 @@ class DecodeCeiling:
     decode-only launch per projection, same decode and cp.async ring as the GEMM)."""
 
     def __init__(self, weights, *, ctas_per_sm: int = 8, mma_rows: int = 0,
-                 decode: bool = True, pair_table: bool | None = None):
+                 decode: bool = True, pair_table: bool | None = None,
+                 workers: int | None = None):
         from decode_probe import compile_decode
 
         arch = "sm_%d%da" % torch.cuda.get_device_capability()
@@ -105,7 +106,7 @@ class DecodeCeiling:
         for k_dim, n_dim in shapes:
             fn, res = compile_decode(k_dim=k_dim, n_dim=n_dim, bits=w.bits, codebook=w.codebook,
                                      arch=arch, min_ctas_per_sm=ctas_per_sm, mma_rows=mma_rows,
-                                     decode=decode, pair_table=pair_table)
+                                     decode=decode, pair_table=pair_table, workers=workers)
             self.fns[(k_dim, n_dim)] = fn
             self.resources[(k_dim, n_dim)] = res
         self.shapes = (shapes[0], shapes[0], shapes[1])

@@ -3,11 +3,12 @@ fused forward, both GEMM paths, small shapes, cold and warm compile cache.
 
     python3 benchmarks/sanitize.py --out DIR [--jobs 4] [--tools memcheck,racecheck,...]
 
-Runs `python3 benchmarks/sanitize.py --workload CACHE` under each tool: ten small layers
+Runs `python3 benchmarks/sanitize.py --workload CACHE` under each tool: eleven small layers
 (E=16, H=512, I=256, top-4) whose plans cover TrellisWgmma (M=8; M=32 x 2 spans; M=64 x 2,
 two warpgroups; mcg K=3 and 4; the persistent sqg_e4m3 pair-table GEMM at K=2, coupled,
 with 4 workers at M=8 and M=32 x 1, 2 at M=64, 2 of 96 rows at M=48 x 2; the mixed-rate
-K=3/4 GEMM, with the direct tables and with T12 + bijection), TrellisGemm (mma.sync, M=8 and M=64, mcg K=3;
+K=3/4 GEMM, with the direct tables (also 2 workers of 96 rows at M=48 x 2) and with T12 +
+bijection), TrellisGemm (mma.sync, M=8 and M=64, mcg K=3;
 sqg_e4m3 K=4 with its smem state table; mixed-rate K=3/4 at M=8/32),
 RoutePack, RotateInput / MidActivation / CombineOutput (shared and per-expert vectors,
 with and without an expert map, -1 ids, the QSRT coupled variants), each at a decode and
@@ -71,7 +72,9 @@ def workload(cache_dir: str) -> None:
                       table_decode="t12"),
                  # two pair-table workers of 96 rows (M=48 x 2, one warpgroup each)
                  dict(mma="wgmma", bits=2, pin=48, span=2, shared=True, emap=False,
-                      codebook="sqg_e4m3", coupled=True)]
+                      codebook="sqg_e4m3", coupled=True),
+                 # mixed rates at M=48 x 2: two 96-row workers on 3-stage rings
+                 dict(mma="wgmma", bits=4, pin=48, span=2, shared=True, emap=False, mixed=True)]
     only = os.environ.get("KQ_SANITIZE_ONLY")  # one config (index), for a quick look
     if only:
         cfgs = [cfgs[int(only)]]

@@ -152,7 +152,7 @@ class MoESpec:
     has_expert_map: bool = False
     #: B-ring (and activation-ring) stages of the GEMMs' cp.async pipeline; 0 = the GEMM
     #: class's `default_stages` for this geometry (`DEFAULT_STAGES`, one less where that
-    #: turns a 96-row item's one worker on two warpgroups into two one-warpgroup workers).
+    #: lets one more worker share the tables).
     stages: int = 0
     #: GEMM register target in CTAs per SM (nvvm.minctasm): 1 = none (the default; see
     #: docs/benchmarks.md), 0 = as many as shared memory allows (the GEMM class's

@@ -55,11 +55,11 @@ Workers: where the tables leave one CTA per SM (the pair table, mixed rates), th
 holds one fp32 accumulator per row of its item): each has its own rings, its own named barrier,
 and its own share of the CTA's work items, which is what several uniform CTAs on the SM
 would do (one's prologue, epilogue and stage-top drain overlap the others' decode, and
-more warpgroups keep more table loads queued on the banks). A worker's item may hold up
-to `WORKER_ROWS` (96) rows on its one warpgroup (48 x 2: two workers on 3-stage rings,
-`default_stages`). Where two workers' rings do not fit beside the tables (three rates at
-M=8, items over 96 rows) one worker runs each work item on two warpgroups (64 columns
-each).
+more warpgroups keep more table loads queued on the banks). A plan gives up a ring stage
+where that adds a worker (`default_stages`). A worker's item may hold up to `WORKER_ROWS`
+(96) rows on its one warpgroup (48 x 2: two workers on 3-stage rings). Where two workers'
+rings do not fit beside the tables (three rates from M=16, items over 96 rows) one worker
+runs each work item on two warpgroups (64 columns each).
 """
 
 from __future__ import annotations
@@ -193,16 +193,15 @@ class TrellisWgmma(GemmClass):
     @classmethod
     def default_stages(cls, smem_limit: int | None = None, **args) -> int:
         """The ring depth a plan uses when none is pinned: `DEFAULT_STAGES`, or one stage
-        less where a work item wider than one warpgroup's 64 rows would otherwise run as one
-        worker on two warpgroups and the shallower rings fit two one-warpgroup workers beside
-        the tables (48 x 2 items of the pair table and of mixed rates). Two independent
-        workers keep more decode loads queued on the banks than two warpgroups that meet at
-        every stage, which paid more than the deeper ring (docs/benchmarks.md); needs
-        `smem_limit` and the geometry."""
-        if smem_limit is None or args.get("span", 1) * args["block_m"] <= 64:
+        less where the shallower rings let one more worker share the tables (the pair
+        table's 48 x 2 items; mixed rates at M=32, M=48 and 48 x 2, three rates at M=8).
+        A worker keeps more decode loads queued on the banks than a deeper ring hides copy
+        latency: every such trade measured paid (docs/benchmarks.md, docs/mixed_rates.md);
+        needs `smem_limit` and the geometry."""
+        if smem_limit is None:
             return DEFAULT_STAGES
-        if (cls.workers_for(smem_limit, stages=DEFAULT_STAGES, **args) == 1
-                and cls.workers_for(smem_limit, stages=DEFAULT_STAGES - 1, **args) > 1):
+        if (cls.workers_for(smem_limit, stages=DEFAULT_STAGES - 1, **args)
+                > cls.workers_for(smem_limit, stages=DEFAULT_STAGES, **args)):
             return DEFAULT_STAGES - 1
         return DEFAULT_STAGES
 

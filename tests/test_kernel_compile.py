@@ -298,22 +298,22 @@ def test_mixed_rates_compile_on_sm90_with_a_table_per_rate(cache):
     sizes with no spills; shared memory holds both 64 KiB state tables in front of B rings
     sized for K=4, which leaves one CTA per SM. mma.sync: the uniform K=4 layer's bytes plus
     one table. wgmma: one-warpgroup workers with a ring each, as many as fit and as the
-    register cap allows: 4 at M=8 (512 threads; 20,480 B each beside the 131,072 B of
-    tables), 3 at M=32 (span 1: 32,768 B each, 384 threads), 2 at M=64 (49,152 B each, 256
-    threads); M=32 and M=64 fill the 227 KB alike; 48 x 2 items run two 96-row workers on
-    3-stage rings (49,152 B each). Three rates at M=8 leave room for one
-    worker only, which runs each work item on two warpgroups. The plan pair for 4,096 tokens
-    keeps M=8 / M=64. Every case's launch shape is checked; the compiled (measured) ones are
-    every wgmma case, mma.sync at M=64 and three rates at M=8 (mma.sync M=8 has less shared
-    memory than mma.sync M=64)."""
+    register cap allows, on one stage less where that adds a worker: 4 at M=8 (512 threads;
+    20,480 B each beside the 131,072 B of tables), 4 at M=32 (span 1, 3 stages: 24,576 B
+    each), 2 at M=64 (49,152 B each, 256 threads); M=32 and M=64 fill the 227 KB alike; 48 x
+    2 items run two 96-row workers on 3-stage rings (49,152 B each). Three rates at M=8 run
+    two workers on 3-stage rings (4 stages would leave room for one, on two warpgroups). The
+    plan pair for 4,096 tokens keeps M=8 / M=64. Every case's launch shape is checked; the
+    compiled (measured) ones are every wgmma case, mma.sync at M=64 and three rates at M=8
+    (mma.sync M=8 has less shared memory than mma.sync M=64)."""
     from kquant_cute.kernels.bring import b_stage_bytes
     from kquant_cute.kernels.decode import TABLE_BYTES
 
     limits = arch_limits("sm_90a")
     # (mma, GEMM, M, rates, workers, compiled)
-    cases = [("wgmma", "TrellisWgmma", m, (3, 4), w, True) for m, w in ((8, 4), (32, 3), (64, 2))]
+    cases = [("wgmma", "TrellisWgmma", m, (3, 4), w, True) for m, w in ((8, 4), (32, 4), (64, 2))]
     cases += [("sync", "TrellisGemm", m, (3, 4), 1, m == 64) for m in (8, 64)]
-    cases += [("wgmma", "TrellisWgmma", 8, (2, 3, 4), 1, True)]
+    cases += [("wgmma", "TrellisWgmma", 8, (2, 3, 4), 2, True)]
     dynamic_at = {}
     for mma, name, m, rates, workers, compiled in cases:
         spec = DEFAULT_GEOMETRY.replace(block_m=m, arch="sm_90a", mma=mma,

@@ -117,13 +117,16 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     1,024 B of static shared memory every DSL kernel carries, and as the register cap allows
     (`ROWS_MAX_WORKERS`: 4 up to 32 rows, 3 at 48, 2 at 64 and 96). By hand: a worker holds
     its activation ring (stages x rows x 128 B) and its B ring (2,048 B a stage at K=2, 4,096
-    B at K<=4); the epilogue stores from registers. Pair table (131,072 B; 100,352 B left),
-    4 stages: 8 rows 4,096 + 8,192 = 12,288 B -> 4; 16 rows 16,384 B -> 4; 32 rows 24,576 B,
-    x 4 = 98,304 -> 4; 48 rows 32,768 B -> 3; 64 rows 40,960 B -> 2; 48 x 2 (96 rows) takes
-    3 stages, 36,864 + 6,144 = 43,008 B -> 2 (4 stages: 57,344 B -> 1). Rates {3, 4} (two
-    64 KiB tables, 16,384 B of B ring): 8 rows 20,480 B -> 4; 16 rows 24,576 B -> 4; 32 rows
-    32,768 B -> 3; 64 rows 49,152 B -> 2; 48 x 2 also takes 3 stages, 36,864 + 12,288 =
-    49,152 B -> 2 (4 stages: 65,536 B -> 1). T12 stays at 2 (registers)."""
+    B at K<=4); the epilogue stores from registers. A plan drops to 3 stages where that adds
+    a worker. Pair table (131,072 B; 100,352 B left), 4 stages: 8 rows 4,096 + 8,192 =
+    12,288 B -> 4; 16 rows 16,384 B -> 4; 32 rows 24,576 B, x 4 = 98,304 -> 4; 48 rows
+    32,768 B -> 3; 64 rows 40,960 B -> 2; 48 x 2 (96 rows) takes 3 stages, 36,864 + 6,144 =
+    43,008 B -> 2 (4 stages: 57,344 B -> 1). Rates {3, 4} (two 64 KiB tables, 16,384 B of B
+    ring at 4 stages, 12,288 B at 3): 8 rows 20,480 B -> 4; 16 rows 24,576 B -> 4; 32 rows
+    takes 3 stages, 12,288 + 12,288 = 24,576 B -> 4 (4 stages: 32,768 B -> 3); 48 rows takes
+    3 stages, 18,432 + 12,288 = 30,720 B -> 3 (4 stages: 40,960 B -> 2); 64 rows 49,152 B
+    -> 2 (3 stages: 36,864 B, still 2); 48 x 2 takes 3 stages, 36,864 + 12,288 = 49,152 B
+    -> 2 (4 stages: 65,536 B -> 1). T12 stays at 2 (registers)."""
     def spec(**kw):
         base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, bits=2,
                     codebook="sqg_e4m3", block_m=8, span=1, shared_hidden_vectors=True,
@@ -141,11 +144,12 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     wide = spec(block_m=48, span=2)
     assert (wide.stages, wide.gemm_workers()) == (3, 2)
     assert wide.kernel_launches()["TrellisWgmma"] == (256, PAIR_TABLE_BYTES + 2 * 43_008)
-    mixed = {m: spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False).gemm_workers()
-             for m in (8, 16, 32, 64)}
-    assert mixed == {8: 4, 16: 4, 32: 3, 64: 2}
-    assert {m: spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False).stages
-            for m in (8, 16, 32, 48, 64)} == dict.fromkeys((8, 16, 32, 48, 64), 4)
+    mixed = {m: spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False)
+             for m in (8, 16, 32, 48, 64)}
+    assert {m: (s.stages, s.gemm_workers()) for m, s in mixed.items()} == {
+        8: (4, 4), 16: (4, 4), 32: (3, 4), 48: (3, 3), 64: (4, 2)}
+    assert mixed[32].replace(stages=4).gemm_workers() == 3  # the worker the stage bought
+    assert mixed[48].replace(stages=4).gemm_workers() == 2
     mixed_wide = spec(block_m=48, span=2, bits=4, bits_set=(3, 4), coupled=False)
     assert (mixed_wide.stages, mixed_wide.gemm_workers()) == (3, 2)
     assert mixed_wide.kernel_launches()["TrellisWgmma"] == (256, 2 * 65_536 + 2 * 49_152)
