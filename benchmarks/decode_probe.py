@@ -225,7 +225,8 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
     stream; it runs only where `arch` matches the GPU. `cubin_dir` keeps the cubin there
     (for SASS reading). Table codebooks run SMs x (CTAs that fit by shared memory, at most
     `min_ctas_per_sm`) persistent CTAs, each staging the table once; `pair_table`: the K=2
-    pair table (128 KiB) with two 128-thread workers per CTA, as the wgmma GEMM runs it;
+    pair table (128 KiB) with `workers` 128-thread workers per CTA (default 4, as the wgmma
+    GEMM runs it up to 32 rows);
     `table_decode` "t12": T12 + bijection (the table argument is then
     `kquant_cute.trellis.sqg_kernel_tables((bits,))`)."""
     import cuda.bindings.driver as cuda
@@ -237,8 +238,8 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
     from kquant_cute.kernels.bring import SMEM_RESERVED_PER_CTA
 
     ctas = 1
-    if workers is None:
-        workers = 2 if pair_table else 1
+    if workers is None:  # the pair table: as many workers as its GEMMs run up to 32 rows
+        workers = 4 if pair_table else 1
     if table_bytes(codebook):
         per_sm = cutlass.memory.get_smem_capacity_in_bytes(arch.removesuffix("a")) + SMEM_RESERVED_PER_CTA
         need = (TrellisDecode.smem(bits, stages, codebook, pair_table, workers, table_decode)

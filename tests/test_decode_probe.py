@@ -98,7 +98,8 @@ def _table(codebook, bits):
 def test_decode_only_kernel_checksum(codebook, bits, pair):
     """The decode-only ceiling kernel decodes every weight of the listed experts: its
     per-thread checksum equals the host model bit for bit (poisoned output first); `pair`:
-    through the K=2 pair table with two workers per CTA."""
+    through the K=2 pair table with four workers per CTA (one CTA: workers 0 and 1 take
+    two items each)."""
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda

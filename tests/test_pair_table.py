@@ -166,13 +166,13 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
 def test_default_span_at_m32_follows_the_workers():
     """M=32's default span is 2 (an expert's 64 rows decoded once), except where 32-row
     work items fit more workers beside the tables than 64-row ones (above): the pair table's
-    4 against 2, mixed rates' 3 against 2 (64 rows: the register cap's 2); mma.sync has no
-    spans."""
+    4 against 2, mixed rates' 4 (on 3-stage rings) against 2 (64 rows: the register cap's
+    2); mma.sync has no spans."""
     base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, codebook="sqg_e4m3",
                 block_m=32, shared_hidden_vectors=True, arch="sm_90a")
     assert MoESpec(bits=2, coupled=True, **base).span == 1
     mixed = MoESpec(bits=4, bits_set=(3, 4), **base)
-    assert mixed.span == 1 and mixed.gemm_workers() == 3
+    assert mixed.span == 1 and (mixed.stages, mixed.gemm_workers()) == (3, 4)
     assert mixed.replace(span=2).gemm_workers() == 2
     assert MoESpec(**dict(base, codebook="mcg"), bits=4).span == 2
     assert MoESpec(bits=3, **base).span == 2  # direct table: one worker either way
