@@ -1,6 +1,31 @@
-"""Shared pytest setup: the `gpu` marker skips with a reason when no CUDA GPU is present."""
+"""Shared pytest setup: the `gpu` marker skips with a reason when no CUDA GPU is present,
+and the repository root is kept off `sys.path`.
+
+The root holds the `kernels/`, `planners/` and `compile_cache/` directories, which the
+installed package exposes only as `kquant_cute.kernels` and so on. `python -m pytest` puts
+the working directory (the root) first on `sys.path`, where `kernels/` would shadow Hugging
+Face's `kernels` package: transformers >= 5.25 depends on that package and imports it from
+`transformers.integrations.hub_kernels`, which then fails. The tests import the installed
+package, so the root is not needed there.
+"""
+
+import os
+import sys
 
 import pytest
+
+_ROOT = os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir))
+
+
+def _is_root(entry: str) -> bool:
+    return os.path.realpath(entry or os.curdir) == _ROOT
+
+
+sys.path[:] = [p for p in sys.path if not _is_root(p)]
+for _name in ("kernels", "planners", "compile_cache"):  # imported from the root before this
+    _file = getattr(sys.modules.get(_name), "__file__", None)
+    if _file and _is_root(os.path.dirname(os.path.dirname(_file))):
+        del sys.modules[_name]
 
 
 def _gpu_reason():
