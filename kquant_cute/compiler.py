@@ -33,7 +33,7 @@ from .compile_cache.store import sweep_stale
 from .kernels import build as kbuild
 from .kernels.gemms import GEMMS
 from .kernels.moe import MoESpec
-from .planners import (DECODE_BLOCK_M, PAIR_TABLE_FILL_TARGETS, WIDE_SPAN, GeometryVerdict,
+from .planners import (DECODE_BLOCK_M, TABLE_FILL_TARGETS, WIDE_SPAN, GeometryVerdict,
                        PlanEnv, RoutePlan, arch_limits, check_resources, default_banded,
                        normalize_arch, plan_routes, resolve_env)
 
@@ -64,9 +64,12 @@ def plans_wide(spec: MoESpec) -> bool:
 
 def plan_fill_targets(spec: MoESpec) -> tuple:
     """The per-size route-block fill targets `spec`'s plan chooses its sizes with: the fill
-    rule's (`planners.plans.PAIR_TABLE_FILL_TARGETS`) where its GEMM decodes through the K=2
-    pair table, else () (the policy's own)."""
-    return PAIR_TABLE_FILL_TARGETS if spec.table_layout() == "pair" else ()
+    rule's (`planners.plans.TABLE_FILL_TARGETS`) where its wgmma GEMM's workers share
+    tables that leave one CTA per SM (the K=2 pair table; mixed rates' direct state
+    tables), else () (the policy's own)."""
+    shared_tables = spec.table_layout() == "pair" or (
+        spec.mixed and spec.mma == "wgmma" and spec.table_decode == "direct")
+    return TABLE_FILL_TARGETS if shared_tables else ()
 
 
 def spec_route_plan(spec: MoESpec, capacity: int, env: PlanEnv, check,

@@ -18,9 +18,10 @@ kernel, which is injected as a ``check(block_m) -> reason | None | GeometryVerdi
 * the wide rule (:data:`WIDE_SPAN`, :func:`wide_from_m`, :func:`wide_block`): once the
   average expert's routed rows fill the widest route block, a banded plan binds work items
   of two route blocks of one expert, at the block size the policy picks for half the rows.
-* the fill rule (:data:`PAIR_TABLE_FILL_TARGETS`): a layer whose decode costs most per work
-  item (the K=2 pair table) moves to the next wider block at a lower average fill than the
-  policy's, so fewer experts overflow into a second block (``fill_targets``).
+* the fill rule (:data:`TABLE_FILL_TARGETS`): a layer whose decode costs most per work
+  item (the K=2 pair table, mixed rates on wgmma) moves to the next wider block at a lower
+  average fill than the policy's, so fewer experts overflow into a second block
+  (``fill_targets``).
 * :func:`candidate_bound` -- how many candidates a plan can ask about (progress bars).
 * :func:`default_banded` -- which plan a layer gets when it asks for none: banded, or
   the decode / prefill pair (:data:`PAIR_PLAN_DECODES`).
@@ -65,7 +66,7 @@ __all__ = [
     "Candidate",
     "RoutePlan",
     "plan_routes",
-    "PAIR_TABLE_FILL_TARGETS",
+    "TABLE_FILL_TARGETS",
     "candidate_bound",
     "policy_runs",
     "PAIR_PLAN_DECODES",
@@ -113,16 +114,19 @@ def wide_from_m(topk: int, num_experts: int) -> int:
     return -(-WIDE_FROM_ROWS * num_experts // topk)
 
 
-#: The fill rule: ``(block size, fill target)`` of layers whose GEMM decodes through the K=2
-#: pair table (``MoESpec.table_layout() == "pair"``), instead of the policy's FILL_TARGET
+#: The fill rule: ``(block size, fill target)`` of layers whose wgmma GEMM runs workers that
+#: share tables leaving one CTA per SM (the K=2 pair table, mixed rates' direct state
+#: tables: ``kquant_cute.compiler.plan_fill_targets``), instead of the policy's FILL_TARGET
 #: (M=48 keeps it). Each route block of an expert decodes its weights again, and that decode
-#: is this layer's cost, so the wider block wins before the narrower one is 90 % full on
-#: average. Measured on the H200, the production QSRT layer, one M against the next
-#: (docs/benchmarks.md, "Block boundaries of the pair-table layer"): M=16 beats 8 at 0.67
-#: of 8 rows and more (the lowest measured), 32 beats 16 from ~0.7 of 16, 48 beats 32 from
-#: ~0.8 of 32, 64 beats 48 from ~0.9 of 48 (the policy's). 48 and 64 run 3 and 2 workers per
-#: CTA, which is why the last boundary stays. Layers of other decodes keep the policy.
-PAIR_TABLE_FILL_TARGETS = ((8, 0.6), (16, 0.7), (32, 0.8))
+#: is these layers' cost, so the wider block wins before the narrower one is 90 % full on
+#: average. Measured on the H200, one M against the next (docs/benchmarks.md, "Block
+#: boundaries of the table layers"): for the production QSRT layer M=16 beats 8 at 0.67 of 8
+#: rows and more (the lowest measured), 32 beats 16 from ~0.7 of 16, 48 beats 32 from ~0.8
+#: of 32, 64 beats 48 from ~0.9 of 48 (the policy's); the mixed k3x22_k4x2 layer crosses at
+#: the same fills (16 over 8 by 6 % at 0.67, 32 over 16 by 3 % at 0.71, 48 over 32 within 1 %
+#: at 0.79 and by 6 % at 0.86, 48 over 64 at 0.85). 48 and 64 run 3 and 2 workers per CTA,
+#: which is why the last boundary stays. Layers of other decodes keep the policy.
+TABLE_FILL_TARGETS = ((8, 0.6), (16, 0.7), (32, 0.8))
 
 
 def wide_block(m: int, topk: int, num_experts: int) -> int:
@@ -435,7 +439,7 @@ class RoutePlan:
             such call binds ``prefill_m``. A banded plan asked with a span check also binds
             the wide rule from :func:`wide_from_m` tokens on, where its items are accepted.
         fill_targets: the policy's per-size fill targets the plan chose its sizes with (the
-            fill rule, :data:`PAIR_TABLE_FILL_TARGETS`), ``()`` for the policy's own.
+            fill rule, :data:`TABLE_FILL_TARGETS`), ``()`` for the policy's own.
     """
 
     capacity: int
@@ -634,7 +638,7 @@ def plan_routes(
     :func:`wide_from_m` tokens (and above the threshold) binds :func:`wide_block` x
     :data:`WIDE_SPAN` where ``span_check(block, WIDE_SPAN)`` accepts it (blocks up to the
     prefill M), else its band's M as without the rule. ``fill_targets`` (the fill rule,
-    :data:`PAIR_TABLE_FILL_TARGETS`) replace the policy's for the prefill M and the bands;
+    :data:`TABLE_FILL_TARGETS`) replace the policy's for the prefill M and the bands;
     the wide rule keeps the policy's.
 
     Raises:

@@ -6,7 +6,7 @@ This module owns the route-block arithmetic (docs/formats.md, "Route policy") an
   rows per expert, it picks the first block size ``s`` of :data:`ROUTE_BLOCK_SIZES` with
   ``avg < FILL_TARGET * s`` (blocks at least ~90 % full on average), else the widest; a
   plan may ask for other targets per size (``fill_targets``: the planner's rule for layers
-  whose decode costs more per work item, ``planners.plans.PAIR_TABLE_FILL_TARGETS``).
+  whose decode costs more per work item, ``planners.plans.TABLE_FILL_TARGETS``).
 * :func:`route_block_sizes_for_capacity` -- every size the policy can pick for
   ``m in [1, max_tokens]`` (the policy is monotone in ``m``, so this is a contiguous run).
 * :func:`padded_route_slots` / :func:`max_route_blocks` -- upper bounds on the packed

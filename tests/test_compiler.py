@@ -203,20 +203,27 @@ def test_describe_names_each_plans_gemm(fake, tmp_path):
     assert [p.endswith("x 2 route blocks per work item") for p in parts] == [n == 2 for n in spans]
 
 
-def test_pair_table_layers_plan_with_the_fill_rule(fake, tmp_path):
-    """plan_fill_targets: the fill rule's targets where the GEMM decodes through the K=2
-    pair table (sqg_e4m3 K=2 on sm_90a's wgmma), the policy's own (()) for arithmetic
-    codebooks, direct tables and mma.sync; compile_plan plans with them."""
-    from kquant_cute.planners import PAIR_TABLE_FILL_TARGETS
+def test_shared_table_layers_plan_with_the_fill_rule(fake, tmp_path):
+    """plan_fill_targets: the fill rule's targets where the wgmma GEMM's workers share
+    tables that leave one CTA per SM (the K=2 pair table: sqg_e4m3 K=2 on sm_90a; mixed
+    rates through their direct tables), the policy's own (()) for arithmetic codebooks,
+    uniform direct tables, mma.sync and mixed rates through T12; compile_plan plans with
+    them."""
+    from kquant_cute.planners import TABLE_FILL_TARGETS
 
     qsrt = SMALL.replace(codebook="sqg_e4m3", bits=2, arch="sm_90a")
     assert qsrt.table_layout() == "pair"
-    assert compiler.plan_fill_targets(qsrt) == PAIR_TABLE_FILL_TARGETS
+    assert compiler.plan_fill_targets(qsrt) == TABLE_FILL_TARGETS
     assert compiler.plan_fill_targets(qsrt.replace(bits=3)) == ()  # direct table
     assert compiler.plan_fill_targets(qsrt.replace(mma="sync")) == ()
     assert compiler.plan_fill_targets(SMALL.replace(arch="sm_90a")) == ()  # mcg
+    mixed = qsrt.replace(bits=4, bits_set=(3, 4))
+    assert mixed.table_layout() == "direct" and mixed.mma == "wgmma"
+    assert compiler.plan_fill_targets(mixed) == TABLE_FILL_TARGETS
+    assert compiler.plan_fill_targets(mixed.replace(mma="sync")) == ()
+    assert compiler.plan_fill_targets(mixed.replace(table_decode="t12")) == ()
     cache = CompileCache(tmp_path)
     plan = compile_plan(qsrt, capacity=512, arch="sm_90", env=PlanEnv(), cache=cache)
-    assert plan.route.fill_targets == PAIR_TABLE_FILL_TARGETS
+    assert plan.route.fill_targets == TABLE_FILL_TARGETS
     assert compile_plan(SMALL, capacity=512, arch="sm_90", env=PlanEnv(),
                         cache=cache).route.fill_targets == ()
