@@ -239,6 +239,19 @@ def test_mixed_layer_t12():
     assert torch.equal(_run(t12, x, ids, w).clone(), _run(direct, x, ids, w))
 
 
+def test_three_rate_layer():
+    """K = 2 / 3 / 4 records (three resident state tables) through the wgmma layer. At M=8
+    the plan gives up a ring stage for a second worker (two one-warpgroup workers on
+    3-stage rings instead of one worker on two warpgroups); fp64 reference at two m and
+    bitwise equality with M=16, where one worker runs each item on two warpgroups."""
+    _needs_sm90("wgmma")
+    wts = _mixed((2, 3, 4), seed=67)
+    spec = _layer(wts, topk=TOPK, capacity=64, activation="situ", mma="wgmma").plan.decode.spec
+    assert (spec.block_m, spec.stages, spec.gemm_workers()) == (8, 3, 2)
+    assert spec.replace(block_m=16).gemm_workers() == 1
+    _check_layer(wts, mma="wgmma", ms=(5, 64), blocks=(8, 16), graphs=False)
+
+
 def test_k4_expert_next_to_k2_expert():
     """Expert 0 with every record at K=4, expert 1 with every record at K=2 (the skewed
     routings put all routes on them), the others random over {2, 4}."""
