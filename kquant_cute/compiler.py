@@ -64,11 +64,12 @@ def plans_wide(spec: MoESpec) -> bool:
 
 def plan_fill_targets(spec: MoESpec) -> tuple:
     """The per-size route-block fill targets `spec`'s plan chooses its sizes with: the fill
-    rule's (`planners.plans.TABLE_FILL_TARGETS`) where its wgmma GEMM's workers share
-    tables that leave one CTA per SM (the K=2 pair table; mixed rates' direct state
-    tables), else () (the policy's own)."""
-    shared_tables = spec.table_layout() == "pair" or (
-        spec.mixed and spec.mma == "wgmma" and spec.table_decode == "direct")
+    rule's (`planners.plans.TABLE_FILL_TARGETS`) where the GEMM's CTA runs several
+    workers that share directly read state tables, which leave one CTA per SM (the K=2
+    pair table; mixed rates' per-rate tables on wgmma), asked of its M=8 specialization;
+    else () (the policy's own)."""
+    shared_tables = (spec.table_decode == "direct"
+                     and spec.replace(block_m=DECODE_BLOCK_M).gemm_workers() > 1)
     return TABLE_FILL_TARGETS if shared_tables else ()
 
 
