@@ -29,6 +29,7 @@ from kquant_cute.kernels import ptx
 from kquant_cute.kernels.bring import DEFAULT_STAGES, K_STEPS_PER_STAGE, b_stage_bytes
 from kquant_cute.kernels.decode import lane_words, persistent_grid, stage_table, table_bytes
 from kquant_cute.kernels.trellis_gemm import THREADS, TrellisGemm
+from kquant_cute.kernels.trellis_wgmma import max_workers
 
 
 class TrellisDecode:
@@ -239,7 +240,7 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
 
     ctas = 1
     if workers is None:  # the pair table: as many workers as its GEMMs run up to 32 rows
-        workers = 4 if pair_table else 1
+        workers = max_workers(32) if pair_table else 1
     if table_bytes(codebook):
         per_sm = cutlass.memory.get_smem_capacity_in_bytes(arch.removesuffix("a")) + SMEM_RESERVED_PER_CTA
         need = (TrellisDecode.smem(bits, stages, codebook, pair_table, workers, table_decode)

@@ -22,10 +22,6 @@ def _is_root(entry: str) -> bool:
 
 
 sys.path[:] = [p for p in sys.path if not _is_root(p)]
-for _name in ("kernels", "planners", "compile_cache"):  # imported from the root before this
-    _file = getattr(sys.modules.get(_name), "__file__", None)
-    if _file and _is_root(os.path.dirname(os.path.dirname(_file))):
-        del sys.modules[_name]
 
 
 def _gpu_reason():

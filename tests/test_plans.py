@@ -556,9 +556,8 @@ def test_wide_rule_falls_back_where_rejected_and_stays_off_where_not_asked():
         dataclasses.replace(plan, candidates=tuple(c for c in plan.candidates if c.span == 0))
 
 
-
 def test_fill_rule_moves_the_bands_and_the_prefill_block():
-    """The fill rule (a pair-table layer's plan): the bands and the prefill M follow the
+    """The fill rule (the plan of a layer whose GEMM workers share its tables): the bands and the prefill M follow the
     policy at TABLE_FILL_TARGETS, so at E=896, top-16 M=16 binds from 269 tokens, 32
     from 628, 48 from 1,434 (1,536 tokens, 27.4 rows per expert, bind 48 where the policy's
     own targets bind 32) and 64 where the policy moves (2,420); the wide rule keeps the
