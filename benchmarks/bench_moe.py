@@ -43,11 +43,9 @@ class LayerTime(NamedTuple):
     per_set: list  # each set's median ms
 
 
-def time_layer(layer, m, sets=4, iters=50, warmup=5) -> LayerTime:
-    """`layer` at m tokens over `sets` routings drawn from one generator, each captured in a
-    graph and timed on its own: the routing can change the time (how the work items fall on
-    the SMs), and a median over replays that cycle the sets would land between two groups
-    of sets and show neither."""
+def routing_sets(layer, m, sets=4) -> list:
+    """`sets` inputs (x, topk ids, normalized topk weights) of m tokens for `layer`, drawn
+    from one generator seeded with m: the first `k` sets do not depend on `sets`."""
     H, topk, E = layer.weights.hidden, layer.topk, layer.weights.num_experts
     gen = torch.Generator(device="cuda").manual_seed(m)
     inputs = []
@@ -55,9 +53,28 @@ def time_layer(layer, m, sets=4, iters=50, warmup=5) -> LayerTime:
         x, ids = random_tokens(m, H, E, topk, gen)
         w = torch.rand(m, topk, generator=gen, device="cuda")
         inputs.append((x, ids, (w / w.sum(1, keepdim=True)).float().contiguous()))
+    return inputs
+
+
+def layer_output(layer, m) -> torch.Tensor:
+    """`layer`'s output on the first of `routing_sets(layer, m)` from one eager run (the
+    output NaN-poisoned first): what `time_layer` returns as `out`, without the timing."""
+    x, ids, w = routing_sets(layer, m, 1)[0]
+    bound = layer.bind(x, ids, w)
+    layer.output.fill_(float("nan"))
+    bound.run()
+    torch.cuda.synchronize()
+    return layer.output[:m].clone()
+
+
+def time_layer(layer, m, sets=4, iters=50, warmup=5) -> LayerTime:
+    """`layer` at m tokens over `sets` routings drawn from one generator, each captured in a
+    graph and timed on its own: the routing can change the time (how the work items fall on
+    the SMs), and a median over replays that cycle the sets would land between two groups
+    of sets and show neither."""
     graphs = []
     block_m = None
-    for x, ids, w in inputs:
+    for x, ids, w in routing_sets(layer, m, sets):
         bound = layer.bind(x, ids, w)
         graphs.append(capture(bound.run))
         block_m = bound.block_m
@@ -107,15 +124,17 @@ def run_table(wts, tokens, blocks, *, iters, knobs, peer=None, ceilings=None, de
             del layer
         layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ", banded=False,
                          **knobs)  # the decode/prefill pair plan
-        row["plan"], row["plan_M"], out, _ = time_layer(layer, m, iters=iters)
-        outs.append(out)
+        t = time_layer(layer, m, iters=iters)
+        row["plan"], row["plan_M"] = t.ms, t.block_m
+        outs.append(t.out)
         row["gemm"] = layer.plan.plan_for(m).spec.mma
         del layer
         layer = MoELayer(wts, topk=16, capacity=max(tokens), activation="situ",
                          **knobs)  # the default (banded) plan
-        row["banded"], _, out, row["banded_sets"] = time_layer(layer, m, iters=iters)
+        t = time_layer(layer, m, iters=iters)
+        row["banded"], row["banded_sets"] = t.ms, t.per_set
         row["banded_M"] = bound_label(layer, m)
-        outs.append(out)
+        outs.append(t.out)
         del layer
         # Every column computed the same forward: bitwise-equal outputs, none left unwritten.
         row["bitwise_equal"] = bool(not torch.isnan(outs[0]).any()

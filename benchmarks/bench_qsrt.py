@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from bench_moe import bound_label, time_layer
-from peers import Bf16GroupedMoE, DecodeCeiling, capture, graph_median_ms, random_tokens
+from bench_moe import bound_label, layer_output, routing_sets, time_layer
+from peers import Bf16GroupedMoE, DecodeCeiling, capture, graph_median_ms
 
 E, H, I, TOPK = 896, 3584, 384, 16
 PROFILES = {  # column -> MoEWeights.random arguments (None: the mixed-rate layer)
@@ -112,14 +112,13 @@ def run(tokens, iters, columns=tuple(PROFILES), peer=True, decode=True):
         bf16 = Bf16GroupedMoE(wts, topk=TOPK, activation="situ") if peer and name == "mcg_k4" else None
         for m in tokens:
             row = rows[m]
-            ms, _, out, per_set = time_layer(plan, m, iters=iters)
-            out8 = time_layer(m8, m, iters=3).out
-            row[name] = ms
-            row[f"{name}_sets"] = per_set
+            t = time_layer(plan, m, iters=iters)
+            out8 = layer_output(m8, m)
+            row[name] = t.ms
+            row[f"{name}_sets"] = t.per_set
             row[f"{name}_M"] = bound_label(plan, m)
-            row[f"{name}_bitwise"] = bool(not torch.isnan(out).any() and torch.equal(out, out8))
-            gen = torch.Generator(device="cuda").manual_seed(m)
-            x, ids = random_tokens(m, wts.hidden, wts.num_experts, TOPK, gen)
+            row[f"{name}_bitwise"] = bool(not torch.isnan(t.out).any() and torch.equal(t.out, out8))
+            x, ids, _ = routing_sets(plan, m, 1)[0]
             if ceiling is not None:
                 row[f"{name}_decode"] = ceiling.time(torch.unique(ids), iters)
             if bf16 is not None:
