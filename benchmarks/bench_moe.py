@@ -56,25 +56,27 @@ def routing_sets(layer, m, sets=4) -> list:
     return inputs
 
 
-def layer_output(layer, m) -> torch.Tensor:
-    """`layer`'s output on the first of `routing_sets(layer, m)` from one eager run (the
+def layer_output(layer, x, ids, w) -> torch.Tensor:
+    """`layer`'s output on one input set (one of `routing_sets`) from one eager run (the
     output NaN-poisoned first): what `time_layer` returns as `out`, without the timing."""
-    x, ids, w = routing_sets(layer, m, 1)[0]
     bound = layer.bind(x, ids, w)
     layer.output.fill_(float("nan"))
     bound.run()
     torch.cuda.synchronize()
-    return layer.output[:m].clone()
+    return layer.output[:x.shape[0]].clone()
 
 
-def time_layer(layer, m, sets=4, iters=50, warmup=5) -> LayerTime:
-    """`layer` at m tokens over `sets` routings drawn from one generator, each captured in a
-    graph and timed on its own: the routing can change the time (how the work items fall on
-    the SMs), and a median over replays that cycle the sets would land between two groups
-    of sets and show neither."""
+def time_layer(layer, m, sets=4, iters=50, warmup=5, inputs=None) -> LayerTime:
+    """`layer` at m tokens over `sets` routings drawn from one generator (or the given
+    `inputs`, from `routing_sets`), each captured in a graph and timed on its own: the
+    routing can change the time (how the work items fall on the SMs), and a median over
+    replays that cycle the sets would land between two groups of sets and show neither."""
+    if inputs is None:
+        inputs = routing_sets(layer, m, sets)
+    sets = len(inputs)
     graphs = []
     block_m = None
-    for x, ids, w in routing_sets(layer, m, sets):
+    for x, ids, w in inputs:
         bound = layer.bind(x, ids, w)
         graphs.append(capture(bound.run))
         block_m = bound.block_m

@@ -112,13 +112,14 @@ def run(tokens, iters, columns=tuple(PROFILES), peer=True, decode=True):
         bf16 = Bf16GroupedMoE(wts, topk=TOPK, activation="situ") if peer and name == "mcg_k4" else None
         for m in tokens:
             row = rows[m]
-            t = time_layer(plan, m, iters=iters)
-            out8 = layer_output(m8, m)
+            inputs = routing_sets(plan, m)  # set 0 also feeds M=8, the decode and the peer
+            t = time_layer(plan, m, iters=iters, inputs=inputs)
+            out8 = layer_output(m8, *inputs[0])
             row[name] = t.ms
             row[f"{name}_sets"] = t.per_set
             row[f"{name}_M"] = bound_label(plan, m)
             row[f"{name}_bitwise"] = bool(not torch.isnan(t.out).any() and torch.equal(t.out, out8))
-            x, ids, _ = routing_sets(plan, m, 1)[0]
+            x, ids, _ = inputs[0]
             if ceiling is not None:
                 row[f"{name}_decode"] = ceiling.time(torch.unique(ids), iters)
             if bf16 is not None:

@@ -557,11 +557,12 @@ def test_wide_rule_falls_back_where_rejected_and_stays_off_where_not_asked():
 
 
 def test_fill_rule_moves_the_bands_and_the_prefill_block():
-    """The fill rule (the plan of a layer whose GEMM workers share its tables): the bands and the prefill M follow the
-    policy at TABLE_FILL_TARGETS, so at E=896, top-16 M=16 binds from 269 tokens, 32
-    from 628, 48 from 1,434 (1,536 tokens, 27.4 rows per expert, bind 48 where the policy's
-    own targets bind 32) and 64 where the policy moves (2,420); the wide rule keeps the
-    policy's targets (4,096 tokens: M=48 x 2); the plan records its targets and says so."""
+    """The fill rule (the plan of a layer whose GEMM workers share its tables): the bands
+    and the prefill M follow the policy at TABLE_FILL_TARGETS, so at E=896, top-16 M=16
+    binds from 269 tokens, 32 from 628, 48 from 1,434 (1,536 tokens, 27.4 rows per expert,
+    bind 48 where the policy's own targets bind 32) and 64 where the policy moves (2,420);
+    the wide rule keeps the policy's targets (4,096 tokens: M=48 x 2); the plan records its
+    targets and says so."""
     from kquant_cute.planners import TABLE_FILL_TARGETS as FILL
 
     args = (4096, 16, 896, PlanEnv(), lambda m: None)
