@@ -2,7 +2,8 @@
 
 Owns the few instructions the CuTe DSL does not expose in the exact register form we
 need: the m16n8k16 fp16 `mma.sync` on raw fragment registers, half2 packing/arithmetic
-used by the trellis codebooks, and integer helpers (byte sums, 64-bit funnel reads).
+used by the trellis codebooks, integer helpers (byte sums, 64-bit funnel reads), and the
+rotation stages' fp32 fma and vector fp16 loads / stores.
 Every function here is a `dsl_user_op`, callable from `@cute.kernel` code on DSL
 scalars (Int32 / Uint32 / Float32) and returning DSL scalars. Also the two trace-time
 helpers every kernel module uses to view raw pointers and map expert ids.
@@ -232,6 +233,57 @@ def ld_global_v4_f32(gmem_addr, *, loc=None, ip=None):
         "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", loc=loc, ip=ip,
     )
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def fma_f32(a, b, c, *, loc=None, ip=None):
+    """a * b + c in fp32, rounded once (so a * (+-1) + c equals c +- a bit for bit)."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip), _f32(c, loc, ip)],
+        "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", loc=loc, ip=ip,
+    ))
+
+
+@dsl_user_op
+def ld_global_f16x4_f32(gmem_addr, *, loc=None, ip=None):
+    """Four consecutive fp16 values from global memory in one 8-byte load (the address
+    8-byte aligned), widened to fp32 (exact)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b16 h0, h1, h2, h3;\n\t"
+        "ld.global.v4.b16 {h0, h1, h2, h3}, [$4];\n\t"
+        "cvt.f32.f16 $0, h0;\n\tcvt.f32.f16 $1, h1;\n\t"
+        "cvt.f32.f16 $2, h2;\n\tcvt.f32.f16 $3, h3;\n\t}",
+        "=f,=f,=f,=f,l", loc=loc, ip=ip,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def ld_global_f16x2_f32(gmem_addr, *, loc=None, ip=None):
+    """Two consecutive fp16 values from global memory in one 4-byte load (the address
+    4-byte aligned), widened to fp32 (exact)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 2), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b16 h0, h1;\n\t"
+        "ld.global.v2.b16 {h0, h1}, [$2];\n\t"
+        "cvt.f32.f16 $0, h0;\n\tcvt.f32.f16 $1, h1;\n\t}",
+        "=f,=f,l", loc=loc, ip=ip,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def st_global_f16x2(gmem_addr, a, b, *, loc=None, ip=None):
+    """Two fp32 values rounded to fp16 (nearest even) and stored as one 4-byte word (the
+    address 4-byte aligned; `a` at the lower address)."""
+    llvm.inline_asm(
+        None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip), _f32(a, loc, ip), _f32(b, loc, ip)],
+        "{\n\t.reg .b16 h0, h1;\n\t"
+        "cvt.rn.f16.f32 h0, $1;\n\tcvt.rn.f16.f32 h1, $2;\n\t"
+        "st.global.v2.b16 [$0], {h0, h1};\n\t}",
+        "l,f,f", has_side_effects=True, loc=loc, ip=ip,
+    )
 
 
 @dsl_user_op

@@ -51,10 +51,12 @@ def fwht128(v, lane):
     vals = [a0, a1, a2, a3]
     for s in range(5):
         off = 1 << s
-        upper = (lane & off) != 0
+        # Lower lane: v + p; upper lane: p - v. One fma with the lane's sign, v * (+-1) + p,
+        # rounds the same exact sum once, so it gives the same bits as the add / subtract.
+        sign = Float32(cutlass.select_((lane & off) != 0, -1.0, 1.0))
         for j in range(4):
             p = ptx.shfl_xor_f32(vals[j], off)
-            vals[j] = Float32(cutlass.select_(upper, p - vals[j], vals[j] + p))
+            vals[j] = ptx.fma_f32(vals[j], sign, p)
     for j in range(4):
         v[j] = vals[j] * INV_SQRT_CHUNK
 
@@ -243,9 +245,6 @@ class MidActivation:
         bit 0, t in register bit 1, lane in bits 1..5) are again a complete 128-point
         layout, and the Hadamard is a product over index bits, so fwht128 applies as is.
         """
-        mA2 = ptx.flat_tensor(pA2)
-        mSvhG, mSvhU, mSuhD = ptx.flat_tensor(pSvhG), ptx.flat_tensor(pSvhU), ptx.flat_tensor(pSuhD)
-        mPre, mPost = ptx.flat_tensor(pPre), ptx.flat_tensor(pPost)
         mIds, mMap = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
         lane, item = warp_item()
         if item < n_routes * self.chunks:
@@ -258,6 +257,7 @@ class MidActivation:
                 off = 32 * (seg // 2) + 4 * (lane % 8)
                 h = cute.make_rmem_tensor((4,), Float32)
                 slot = Int64(cutlass.select_(from_up, pU.toint(), pG.toint()))  # one read
+                svh = Int64(cutlass.select_(from_up, pSvhU.toint(), pSvhG.toint()))
                 for t in cutlass.range_constexpr(2):
                     b = 2 * c + t
                     src = r * self.inter + 64 * b + off
@@ -267,25 +267,30 @@ class MidActivation:
                     for j in cutlass.range_constexpr(4):
                         v[j] = vals[j]
                     fwht128(v, lane)
+                    sv = ptx.ld_global_f16x4_f32(svh + Int64(vsrc) * 2)
                     for j in cutlass.range_constexpr(4):
-                        sv = cutlass.select_(from_up, mSvhU[vsrc + j].to(Float32),
-                                             mSvhG[vsrc + j].to(Float32))
-                        v[j] = v[j] * sv
+                        v[j] = v[j] * sv[j]
                     fwht128(v, lane)
-                    pre = e * (2 * self.inter) + 128 * b + 4 * lane
+                    pre = ptx.ld_global_f16x4_f32(
+                        pPre.toint() + Int64(e * (2 * self.inter) + 128 * b + 4 * lane) * 2)
                     for j in cutlass.range_constexpr(4):
-                        v[j] = v[j] * mPre[pre + j].to(Float32)
-                    post = e * self.inter + CHUNK * c + 64 * t + 2 * lane
+                        v[j] = v[j] * pre[j]
+                    post = ptx.ld_global_f16x2_f32(
+                        pPost.toint() + Int64(e * self.inter + CHUNK * c + 64 * t + 2 * lane) * 2)
                     for q in cutlass.range_constexpr(2):
                         h[2 * t + q] = (apply_activation(v[2 * q], v[2 * q + 1], self.activation)
-                                        * mPost[post + q].to(Float32))
+                                        * post[q])
                 fwht128(h, lane)
-                col = CHUNK * c + 2 * lane
-                for j in cutlass.range_constexpr(4):
-                    h[j] = h[j] * mSuhD[e * self.inter + col + 64 * (j // 2) + j % 2].to(Float32)
+                col = CHUNK * c + 2 * lane  # channels col, col + 1, col + 64, col + 65
+                for half in cutlass.range_constexpr(2):
+                    sd = ptx.ld_global_f16x2_f32(
+                        pSuhD.toint() + Int64(e * self.inter + col + 64 * half) * 2)
+                    for q in cutlass.range_constexpr(2):
+                        h[2 * half + q] = h[2 * half + q] * sd[q]
                 fwht128(h, lane)
-                for j in cutlass.range_constexpr(4):
-                    mA2[r * self.inter + col + 64 * (j // 2) + j % 2] = h[j].to(cutlass.Float16)
+                for half in cutlass.range_constexpr(2):
+                    ptx.st_global_f16x2(pA2.toint() + Int64(r * self.inter + col + 64 * half) * 2,
+                                        h[2 * half], h[2 * half + 1])
 
     @cute.kernel
     def kernel(self, pG, pU, pSvhG, pSvhU, pSuhD, pIds, pMap, pA2, n_routes: Int32):
