@@ -9,7 +9,9 @@ how it computes:
   pointee and what they hold) and Int32 scalars; the stream comes last;
 * :func:`scratch_layout` -- every scratch buffer the forward reads or writes between its
   kernels (shape, dtype, byte offset in one 256-byte-aligned arena);
-* :func:`int_args` -- the Int32 arguments of one call.
+* :func:`int_args` -- the Int32 arguments of one call;
+* :data:`PACK_ROUTES_PER_CTA` / :func:`pack_ctas` -- the route pack's grid, which sizes
+  its histogram scratch.
 
 `kquant_cute/layer.py` allocates the arena and binds tensors to these names; it computes
 no shape or size itself. Dtypes are names: ``"act"`` / ``"out"`` stand for the spec's
@@ -25,17 +27,29 @@ __all__ = [
     "ARG_NAMES",
     "ARENA_ALIGN",
     "DTYPE_BYTES",
+    "PACK_ROUTES_PER_CTA",
     "RATE_ARGS",
     "ROUTE_BLOCK_SIZES",
     "Arg",
     "ScratchBuffer",
     "ScratchLayout",
     "int_args",
+    "pack_ctas",
     "scratch_layout",
 ]
 
 #: Route block sizes (rows of one route block) the fused kernel is specialized for, ascending.
 ROUTE_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 48, 64)
+
+#: Routes one CTA of the route pack's two kernels owns (`kernels/route_pack.py`).
+PACK_ROUTES_PER_CTA = 2048
+
+
+def pack_ctas(n_routes: int) -> int:
+    """CTAs of the route pack's kernels for `n_routes` routes (at least one), and so the
+    rows of its per-CTA expert histogram (``route_hist``)."""
+    return max(1, -(-n_routes // PACK_ROUTES_PER_CTA))
+
 
 #: Bytes per element of every dtype name the contract uses.
 DTYPE_BYTES = {"int32": 4, "int16": 2, "uint8": 1, "float32": 4, "float16": 2, "bfloat16": 2}
@@ -75,7 +89,7 @@ ARGS: tuple[Arg, ...] = (
     Arg("fc2_bits", "uint8", "rates"), Arg("fc2_words", "int32", "rates"),
     Arg("sorted_routes", "int32", "scratch"), Arg("block_expert", "int32", "scratch"),
     Arg("num_padded", "int32", "scratch"), Arg("expert_offsets", "int32", "scratch"),
-    Arg("expert_counts", "int32", "scratch"),
+    Arg("expert_counts", "int32", "scratch"), Arg("route_hist", "int32", "scratch"),
     Arg("xg", "float16", "scratch"), Arg("xu", "float16", "scratch"),
     Arg("g", "float32", "scratch"), Arg("u", "float32", "scratch"),
     Arg("a2", "float16", "scratch"), Arg("y", "float32", "scratch"),
@@ -140,6 +154,7 @@ def scratch_layout(spec, *, capacity: int, max_slots: int) -> ScratchLayout:
         ("num_padded", (4,), "int32"),
         ("expert_offsets", (E + 1,), "int32"),
         ("expert_counts", (E,), "int32"),
+        ("route_hist", (pack_ctas(n), E), "int32"),
         ("xg", (rows + 1, H), "float16"),
         ("xu", (rows + 1, H), "float16"),
         ("g", (n, I), "float32"),

@@ -7,9 +7,9 @@ which resource measurement and the geometry check iterate), and `MoEForward`, th
 `@cute.jit` host function that launches, on one stream with no host synchronisation and
 no allocation:
 
-  route pack (M) -> input rotation (gate, up) -> trellis GEMM gate + up (one launch, the
-  two slots' work items interleaved) -> FC1 output rotation + activation + FC2 input
-  rotation -> trellis GEMM down -> router-weighted top-k sum with FC2's output rotation.
+  route count -> route pack (M) -> input rotation (gate, up) -> trellis GEMM gate + up (one
+  launch, the two slots' work items interleaved) -> FC1 output rotation + activation + FC2
+  input rotation -> trellis GEMM down -> router-weighted top-k sum with FC2's output rotation.
 
 `MoESpec.coupled` adds the QSRT coupled transforms (profile k2_coupled_h512_h128) inside the
 three rotation stages (kernels/rotate.py); the per-expert sign vectors are the entry
@@ -53,7 +53,7 @@ from .decode import check_table_decode
 from .gemms import GEMMS, MMA_KINDS, auto_mma
 from .launch import ARG_NAMES, ROUTE_BLOCK_SIZES  # noqa: F401 - ARG_NAMES: the entry point's order
 from .rotate import CombineOutput, MidActivation, RotateInput
-from .route_pack import RoutePack
+from .route_pack import RouteCount, RoutePack
 from .sqg_t12 import TABLE_DECODES, choose_table_decode
 
 ACT_DTYPES = ("bfloat16", "float16")
@@ -317,6 +317,8 @@ class MoESpec:
         if self.mixed:  # FC1's intermediate axis is its N, FC2's its K
             rates1, rates2 = dict(rate_axis="n"), dict(rate_axis="k")
         return (
+            SubKernel("count", RouteCount, dict(num_experts=self.num_experts,
+                                                has_map=self.has_expert_map)),
             SubKernel("pack", RoutePack, dict(num_experts=self.num_experts,
                                               block_m=self.block_m,
                                               has_map=self.has_expert_map)),
@@ -484,6 +486,7 @@ class MoEForward:
             raise ValueError(f"cannot build {spec.kernel_name()}: {reason}")
         self.spec = spec
         kernels = {sub.role: sub.build() for sub in spec.sub_kernels()}
+        self.count = kernels["count"]
         self.pack = kernels["pack"]
         self.rotate_in = kernels["rotate_in"]
         self.gemm1 = kernels["gemm1"]
@@ -496,7 +499,7 @@ class MoEForward:
                  down_trellis, gate_suh, up_suh, gate_svh, up_svh, down_suh, down_svh,
                  pre_signs, post_signs, codebook_table, fc1_bits, fc1_words, fc2_bits, fc2_words,
                  sorted_routes, block_expert, num_padded,
-                 expert_offsets, expert_counts, xg, xu, g, u, a2, y, out,
+                 expert_offsets, expert_counts, route_hist, xg, xu, g, u, a2, y, out,
                  m: Int32, max_blocks: Int32, rows_cap: Int32, routes_cap: Int32,
                  sm_count: Int32, fc1_row_words: Int32, stream):
         n_routes = m * self.spec.topk
@@ -505,7 +508,8 @@ class MoEForward:
         if cutlass.const_expr(self.spec.shared_hidden_vectors):
             rows = m
             a_zero_row = rows_cap
-        self.pack(topk_ids, expert_map, sorted_routes, block_expert, num_padded,
+        self.count(topk_ids, expert_map, route_hist, n_routes, stream)
+        self.pack(topk_ids, expert_map, route_hist, sorted_routes, block_expert, num_padded,
                   expert_offsets, expert_counts, n_routes, max_blocks, stream)
         self.rotate_in(x, gate_suh, up_suh, topk_ids, expert_map, xg, xu, rows, stream)
         # Every GEMM takes the per-expert offsets and counts (those with spans read them).

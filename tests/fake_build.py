@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class FakeBuild:
-    registers: int = 40  # fits every kernel, RoutePack's 1,024 threads too (64 at most)
+    registers: int = 40  # fits every kernel, the route pack's 1,024 threads too (64 at most)
     overrides: dict = field(default_factory=dict)
     fail: tuple = ()
     measured: bool = True

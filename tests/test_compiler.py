@@ -96,14 +96,16 @@ def test_static_rejection_never_compiles(fake, tmp_path):
 
 
 def test_measured_rejections_name_the_kernel_and_use_its_threads(monkeypatch, tmp_path):
-    """100 registers per thread fit the 128-thread stages and the GEMM but not RoutePack's
-    1,024 threads (64 each); over 255 every kernel is named, one line per kernel and reason;
-    a kernel the spec does not list is refused (its threads are unknown)."""
+    """100 registers per thread fit the 128-thread stages and the GEMM but not the route
+    pack's two kernels of 1,024 threads (64 each); over 255 every kernel is named, one line
+    per kernel and reason; a kernel the spec does not list is refused (its threads are
+    unknown)."""
     fake = FakeBuild(overrides={8: {"registers": 100}}).install(monkeypatch)
     v = geometry_check(SMALL, CompileCache(tmp_path))
     assert not v.ok and v.measured and fake.built == [("sm_90a", 8)]
-    assert v.reason == ("RoutePack: 100 registers x 1,024 threads exceed the 65,536-register "
-                        "file of sm_90 (at most 64 per thread at 1,024 threads)")
+    assert v.reason == "; ".join(
+        f"{name}: 100 registers x 1,024 threads exceed the 65,536-register file of sm_90 "
+        "(at most 64 per thread at 1,024 threads)" for name in ("RouteCount", "RoutePack"))
 
     FakeBuild(overrides={8: {"registers": 300}}).install(monkeypatch)
     v = geometry_check(SMALL, CompileCache(tmp_path / "b"))

@@ -253,6 +253,51 @@ def test_expert_map_skips_remote_experts():
     assert _rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("routing", ["random", "skewed", "mapped"])
+def test_route_pack_across_ctas_matches_reference(routing):
+    """The pack's buffers after a forward whose routes span several pack CTAs (2,048 routes
+    each; 300 tokens x top-16 = 4,800 routes: three, the last one partial): per-expert
+    counts, offsets, block list and packed count equal the reference's, and each expert's
+    slots hold its routes (any order within an expert) then sentinels."""
+    from kquant_cute.kernels.launch import pack_ctas
+    from kquant_cute.reference import route_pack_reference
+    from kquant_cute.weights import MoEWeights
+
+    m, topk, experts = 300, 16, 40
+    assert pack_ctas(m * topk) == 3
+    wts = MoEWeights.random(experts, 256, 128, 4, "mcg", seed=3, device="cuda")
+    emap, n_ids = None, experts
+    g = torch.Generator(device="cuda").manual_seed(41)
+    if routing == "mapped":  # half the global experts live elsewhere
+        n_ids = 2 * experts
+        emap = torch.full((n_ids,), -1, dtype=torch.int32, device="cuda")
+        emap[::2] = torch.randperm(experts, generator=g, device="cuda").to(torch.int32)
+    ids = None
+    if routing == "skewed":  # most routes on 3 experts, some -1 (no route)
+        ids = torch.randint(0, 3, (m, topk), generator=g, device="cuda").to(torch.int32)
+        ids[:, -2:] = torch.randint(0, experts, (m, 2), generator=g, device="cuda").to(torch.int32)
+        ids[::7, 0] = -1
+    layer = _layer(wts, topk=topk, capacity=m, pin=16,
+                   num_global_experts=None if emap is None else n_ids)
+    x, ids, w = _inputs(m, 256, topk, n_ids, torch.bfloat16, seed=43, ids=ids)
+    _run(layer, x, ids, w, expert_map=emap)
+    ref = route_pack_reference(ids, experts, 16, expert_map=emap)
+    got = layer._views
+    total = ref.num_routes_padded
+    assert int(got["num_padded"][0]) == total
+    assert torch.equal(got["expert_counts"], ref.expert_counts)
+    assert torch.equal(got["expert_offsets"], ref.expert_offsets)
+    blocks = ref.block_expert.numel()
+    assert torch.equal(got["block_expert"][:blocks], ref.block_expert)
+    sorted_got = got["sorted_routes"][:total].cpu()
+    offsets, counts = ref.expert_offsets.tolist(), ref.expert_counts.tolist()
+    want = ref.sorted_route_ids[:total].cpu()
+    for e in range(experts):
+        lo, n = offsets[e], counts[e]
+        assert sorted(sorted_got[lo:lo + n].tolist()) == want[lo:lo + n].tolist(), e
+        assert (sorted_got[lo + n:offsets[e + 1]] == m * topk).all(), e
+
+
 def test_bad_inputs_raise_before_launch():
     from kquant_cute.weights import MoEWeights
 

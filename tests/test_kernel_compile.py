@@ -49,8 +49,8 @@ def test_default_geometry_compiles_for_every_block(arch, cache):
         kernels = {k["kernel"]: k for k in _resources(spec, cache)["kernels"]}
         # sm_90a builds the wgmma GEMM (spans of 2 blocks at M=32), other archs mma.sync.
         name = "TrellisWgmma" if arch == "sm_90a" else "TrellisGemm"
-        assert set(kernels) == {name, "RoutePack", "RotateInput", "MidActivation",
-                                "CombineOutput"}
+        assert set(kernels) == {name, "RouteCount", "RoutePack", "RotateInput",
+                                "MidActivation", "CombineOutput"}
         gemm = kernels[name]
         # The GEMM's shared memory is its cp.async ring: measured static + dynamic bytes.
         assert gemm["shared"] >= spec.dynamic_smem()[name]
@@ -446,8 +446,9 @@ def test_sub_kernels_answer_the_same_questions():
     dynamic shared memory, here against hand-computed values for the reference geometry
     (E=896, K=4, 4 stages); the geometry check and the resource reading use this list.
 
-    RoutePack: one CTA of 1,024 threads; per-expert counts and cursors (2 x 896 int32), two
-    scan buffers (2 x 1,024 int32) and 64 bytes of slack. The rotation stages: 4 warps,
+    RouteCount / RoutePack: CTAs of 1,024 threads; the count holds a histogram (896 int32),
+    the pack per-expert totals and cursors (2 x 896 int32) and two scan buffers (2 x 1,024
+    int32); each 64 bytes of slack. The rotation stages: 4 warps,
     registers and shuffles only. Both GEMMs: 4 warps (one warpgroup: at most 64 rows) and a
     B ring of 4 stages x 8 tile columns x 4 k-tiles x 32 x K bytes = 16,384 B, after an A
     region: mma.sync, 4 stages x rows padded to 16 x 72 halves (64 + 8 padding) x 2 B but at
@@ -466,8 +467,10 @@ def test_sub_kernels_answer_the_same_questions():
         gemm = "TrellisWgmma" if arch == "sm_90a" else "TrellisGemm"
         spec = DEFAULT_GEOMETRY.replace(block_m=m, arch=arch)
         subs = spec.sub_kernels()
-        assert [s.role for s in subs] == ["pack", "rotate_in", "gemm1", "mid", "gemm2", "combine"]
+        assert [s.role for s in subs] == ["count", "pack", "rotate_in", "gemm1", "mid", "gemm2",
+                                          "combine"]
         assert spec.kernel_launches() == {
+            "RouteCount": (1024, 4 * 896 + 64),
             "RoutePack": (1024, 4 * (2 * 896 + 2 * 1024) + 64), "RotateInput": (128, 0),
             gemm: (128, smem), "MidActivation": (128, 0), "CombineOutput": (128, 0)}, (arch, m)
         for sub in subs:  # each built kernel says the same as the launch table
@@ -478,10 +481,10 @@ def test_sub_kernels_answer_the_same_questions():
     # A sub-kernel's own reason surfaces through the spec, with its numbers, against its own
     # arch's dynamic limit (the per-block limit less the DSL's 1,024 B of static shared
     # memory; sm_120: 101,376 - 1,024 B; sm_90: 232,448 - 1,024 B): 40,000 experts need
-    # 4 x (80,000 + 2,048) + 64 B to pack; a wgmma work item of 2 x 64 rows with 8 stages
+    # 4 x 40,000 + 64 B to count (the first kernel; 4 x (80,000 + 2,048) + 64 to pack); a wgmma work item of 2 x 64 rows with 8 stages
     # needs 8 x 128 x 128 B of A ring and 8 x 4,096 B of B ring, after two 64 KiB tables.
     assert DEFAULT_GEOMETRY.replace(num_experts=40000, arch="sm_120a").check() == (
-        "route pack needs 328,256 B shared memory > 100,352 B per-block limit")
+        "route count needs 160,064 B shared memory > 100,352 B per-block limit")
     assert DEFAULT_GEOMETRY.replace(activation="gelu").check() == (
         "activation 'gelu' not in ('silu', 'situ')")
     wg = DEFAULT_GEOMETRY.replace(block_m=64, mma="wgmma", span=2, stages=8, arch="sm_90a",

@@ -13,9 +13,11 @@ from kquant_cute.kernels.launch import (
     ARG_NAMES,
     ARGS,
     DTYPE_BYTES,
+    PACK_ROUTES_PER_CTA,
     RATE_ARGS,
     ROUTE_BLOCK_SIZES,
     int_args,
+    pack_ctas,
     scratch_layout,
 )
 from kquant_cute.kernels.moe import MoEForward, MoESpec
@@ -91,14 +93,15 @@ def test_scratch_layout_hand_computed():
         ("num_padded", (4,), "int32", 512, 16),
         ("expert_offsets", (5,), "int32", 768, 20),
         ("expert_counts", (4,), "int32", 1024, 16),
-        ("xg", (4, 256), "float16", 1280, 2048),        # 3 tokens + the zero row
-        ("xu", (4, 256), "float16", 3328, 2048),
-        ("g", (6, 128), "float32", 5376, 3072),
-        ("u", (6, 128), "float32", 8448, 3072),
-        ("a2", (7, 128), "float16", 11520, 1792),       # 6 routes + the zero row
-        ("y", (6, 256), "float32", 13312, 6144),
+        ("route_hist", (1, 4), "int32", 1280, 16),      # one pack CTA for 6 routes
+        ("xg", (4, 256), "float16", 1536, 2048),        # 3 tokens + the zero row
+        ("xu", (4, 256), "float16", 3584, 2048),
+        ("g", (6, 128), "float32", 5632, 3072),
+        ("u", (6, 128), "float32", 8704, 3072),
+        ("a2", (7, 128), "float16", 11776, 1792),       # 6 routes + the zero row
+        ("y", (6, 256), "float32", 13568, 6144),
     ]
-    assert layout.nbytes == 19456
+    assert layout.nbytes == 19712
     # Per-expert vectors: the rotated activations have one row per route (plus zero row).
     per_route = scratch_layout(_spec(shared_hidden_vectors=False), capacity=3, max_slots=30)
     assert per_route["xg"].shape == per_route["xu"].shape == (7, 256)
@@ -131,8 +134,15 @@ def test_scratch_layout_properties(shared):
         assert layout["xg"].shape[0] == ints["rows_cap"] + 1
         assert layout["a2"].shape[0] == ints["routes_cap"] + 1
         assert layout["y"].shape == (ints["routes_cap"], h)
+        # One histogram row per route pack CTA of the largest call.
+        assert layout["route_hist"].shape == (pack_ctas(ints["routes_cap"]), e)
     with pytest.raises(KeyError):
         layout["out"]
+
+
+def test_pack_ctas_cover_the_routes_with_at_least_one_cta():
+    assert PACK_ROUTES_PER_CTA == 2048
+    assert [pack_ctas(n) for n in (0, 1, 2048, 2049, 24_576, 65_536)] == [1, 1, 1, 2, 12, 32]
 
 
 # ---------------------------------------------------------------------------------------
