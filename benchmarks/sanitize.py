@@ -10,9 +10,9 @@ with 4 workers at M=8 and M=32 x 1, 2 at M=64, 2 of 96 rows at M=48 x 2; the mix
 K=3/4 GEMM, with the direct tables (also 2 workers of 96 rows at M=48 x 2) and with T12 +
 bijection), TrellisGemm (mma.sync, M=8 and M=64, mcg K=3;
 sqg_e4m3 K=4 with its smem state table; mixed-rate K=3/4 at M=8/32),
-RoutePack, RotateInput / MidActivation / CombineOutput (shared and per-expert vectors,
+RouteCount / RoutePack, RotateInput / MidActivation / CombineOutput (shared and per-expert vectors,
 with and without an expert map, -1 ids, the QSRT coupled variants), each at a decode and
-a prefill token count, plus the decode-only ceiling kernel (TrellisDecode). "cold": the cache starts empty, so every
+a prefill token count (the first layer also at 520 tokens: a route pack over two CTAs), plus the decode-only ceiling kernel (TrellisDecode). "cold": the cache starts empty, so every
 specialization is compiled inside the sanitized process; "warm": it is filled first.
 Writes DIR/<tool>-<cache>.log and DIR/summary.json and prints errors per kernel; each
 error is attributed to the kernel named in its report (or to the host API call).
@@ -30,8 +30,8 @@ import subprocess
 import sys
 import time
 
-KERNELS = ("TrellisWgmma", "TrellisGemm", "TrellisDecode", "RoutePack", "RotateInput",
-           "MidActivation", "CombineOutput")
+KERNELS = ("TrellisWgmma", "TrellisGemm", "TrellisDecode", "RouteCount", "RoutePack",
+           "RotateInput", "MidActivation", "CombineOutput")
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 #: Reports understood and harmless: where they come from (see docs/perf-log.md, "Sanitizers").
 EXPLAINED = {
@@ -91,7 +91,7 @@ def workload(cache_dir: str) -> None:
                                     coupled=c.get("coupled", False), seed=i, device="cuda")
         n_global = 2 * E if c["emap"] else None
         knobs = {k: c[k] for k in ("span", "table_decode") if k in c}
-        layer = MoELayer(wts, topk=4, capacity=256, mma=c["mma"], num_global_experts=n_global,
+        layer = MoELayer(wts, topk=4, capacity=520, mma=c["mma"], num_global_experts=n_global,
                          cache=cache, environ={"KQUANT_W4A16_PREFILL_BLOCK_M": str(c["pin"]),
                                                "KQUANT_W4A16_PREFILL_MIN_M": "8"}, **knobs)
         layers.append((c, layer, n_global))
@@ -103,7 +103,9 @@ def workload(cache_dir: str) -> None:
             emap = torch.full((n_global,), -1, dtype=torch.int32, device="cuda")
             emap[1::2] = torch.arange(E, dtype=torch.int32, device="cuda")
             n_ids = n_global
-        for m in (5, 200):  # 5 <= the prefill threshold (8): the decode plan, M = 8
+        # 5 <= the prefill threshold (8): the decode plan, M = 8; the first layer also at
+        # 520 tokens (2,080 routes: two route pack CTAs)
+        for m in (5, 200) + ((520,) if c is layers[0][0] else ()):
             x = torch.randn(m, H, generator=g, device="cuda").to(torch.bfloat16)
             ids = torch.rand(m, n_ids, generator=g, device="cuda").topk(4, dim=1).indices
             ids = ids.to(torch.int32)
