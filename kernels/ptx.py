@@ -245,32 +245,17 @@ def fma_f32(a, b, c, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ld_global_f16x4_f32(gmem_addr, *, loc=None, ip=None):
-    """Four consecutive fp16 values from global memory in one 8-byte load (the address
-    8-byte aligned), widened to fp32 (exact)."""
+def ld_global_f16_f32(gmem_addr, n: int, *, loc=None, ip=None):
+    """`n` (2 or 4) consecutive fp16 values from global memory in one 2n-byte load (the
+    address 2n-byte aligned), widened to fp32 (exact)."""
+    regs = ", ".join(f"h{i}" for i in range(n))
+    cvts = "".join(f"cvt.f32.f16 ${i}, h{i};\n\t" for i in range(n))
     res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b16 h0, h1, h2, h3;\n\t"
-        "ld.global.v4.b16 {h0, h1, h2, h3}, [$4];\n\t"
-        "cvt.f32.f16 $0, h0;\n\tcvt.f32.f16 $1, h1;\n\t"
-        "cvt.f32.f16 $2, h2;\n\tcvt.f32.f16 $3, h3;\n\t}",
-        "=f,=f,=f,=f,l", loc=loc, ip=ip,
+        llvm.StructType.get_literal([T.f32()] * n), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        f"{{\n\t.reg .b16 {regs};\n\tld.global.v{n}.b16 {{{regs}}}, [${n}];\n\t{cvts}}}",
+        ",".join(["=f"] * n + ["l"]), loc=loc, ip=ip,
     )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def ld_global_f16x2_f32(gmem_addr, *, loc=None, ip=None):
-    """Two consecutive fp16 values from global memory in one 4-byte load (the address
-    4-byte aligned), widened to fp32 (exact)."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 2), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b16 h0, h1;\n\t"
-        "ld.global.v2.b16 {h0, h1}, [$2];\n\t"
-        "cvt.f32.f16 $0, h0;\n\tcvt.f32.f16 $1, h1;\n\t}",
-        "=f,=f,l", loc=loc, ip=ip,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2))
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n))
 
 
 @dsl_user_op

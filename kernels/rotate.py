@@ -267,24 +267,24 @@ class MidActivation:
                     for j in cutlass.range_constexpr(4):
                         v[j] = vals[j]
                     fwht128(v, lane)
-                    sv = ptx.ld_global_f16x4_f32(svh + Int64(vsrc) * 2)
+                    sv = ptx.ld_global_f16_f32(svh + Int64(vsrc) * 2, 4)
                     for j in cutlass.range_constexpr(4):
                         v[j] = v[j] * sv[j]
                     fwht128(v, lane)
-                    pre = ptx.ld_global_f16x4_f32(
-                        pPre.toint() + Int64(e * (2 * self.inter) + 128 * b + 4 * lane) * 2)
+                    pre = ptx.ld_global_f16_f32(
+                        pPre.toint() + Int64(e * (2 * self.inter) + 128 * b + 4 * lane) * 2, 4)
                     for j in cutlass.range_constexpr(4):
                         v[j] = v[j] * pre[j]
-                    post = ptx.ld_global_f16x2_f32(
-                        pPost.toint() + Int64(e * self.inter + CHUNK * c + 64 * t + 2 * lane) * 2)
+                    post_at = e * self.inter + CHUNK * c + 64 * t + 2 * lane
+                    post = ptx.ld_global_f16_f32(pPost.toint() + Int64(post_at) * 2, 2)
                     for q in cutlass.range_constexpr(2):
                         h[2 * t + q] = (apply_activation(v[2 * q], v[2 * q + 1], self.activation)
                                         * post[q])
                 fwht128(h, lane)
                 col = CHUNK * c + 2 * lane  # channels col, col + 1, col + 64, col + 65
                 for half in cutlass.range_constexpr(2):
-                    sd = ptx.ld_global_f16x2_f32(
-                        pSuhD.toint() + Int64(e * self.inter + col + 64 * half) * 2)
+                    sd = ptx.ld_global_f16_f32(
+                        pSuhD.toint() + Int64(e * self.inter + col + 64 * half) * 2, 2)
                     for q in cutlass.range_constexpr(2):
                         h[2 * half + q] = h[2 * half + q] * sd[q]
                 fwht128(h, lane)

@@ -57,16 +57,20 @@ def _grid(n_routes: Int32):
     return cutlass.max((n_routes + PACK_ROUTES_PER_CTA - 1) // PACK_ROUTES_PER_CTA, 1)
 
 
-def load_experts(mIds, mMap, r, n_routes: Int32, has_map: bool):
-    """Local experts of routes r + u * THREADS, u < ROUTES_PER_THREAD (-1 past n_routes,
-    whose loads read route n_routes - 1 instead: no branch, every load issued at once;
-    callers only call this with n_routes > 0)."""
+@cute.jit
+def own_experts(mIds, mMap, g, tidx, n_routes: Int32, has_map: cutlass.Constexpr):
+    """Local experts of CTA g's routes r0 + tidx + u * THREADS, u < ROUTES_PER_THREAD, with
+    r0 = g * PACK_ROUTES_PER_CTA (-1 past n_routes, whose loads read route n_routes - 1
+    instead: no branch, every load issued at once; none at all for a CTA past the routes)."""
     es = cute.make_rmem_tensor((ROUTES_PER_THREAD,), Int32)
-    for u in range(ROUTES_PER_THREAD):  # plain Python: unrolled at trace time
-        ru = r + u * THREADS
-        e = ptx.local_expert(mIds, mMap, Int32(cutlass.select_(ru < n_routes, ru, n_routes - 1)),
-                             has_map)
-        es[u] = Int32(cutlass.select_(ru < n_routes, e, -1))
+    es.fill(-1)
+    r = g * PACK_ROUTES_PER_CTA + tidx
+    if g * PACK_ROUTES_PER_CTA < n_routes:
+        for u in cutlass.range_constexpr(ROUTES_PER_THREAD):
+            ru = r + u * THREADS
+            ri = Int32(cutlass.select_(ru < n_routes, ru, n_routes - 1))
+            e = ptx.local_expert(mIds, mMap, ri, has_map)
+            es[u] = Int32(cutlass.select_(ru < n_routes, e, -1))
     return es
 
 
@@ -101,12 +105,10 @@ class RouteCount:
         for e in range(tidx, E, THREADS):
             sCount[e] = 0
         cute.arch.sync_threads()
-        r0 = g * PACK_ROUTES_PER_CTA
-        if r0 < n_routes:
-            es = load_experts(mIds, mMap, r0 + tidx, n_routes, self.has_map)
-            for u in cutlass.range_constexpr(ROUTES_PER_THREAD):
-                if es[u] >= 0:
-                    cute.arch.atomic_add((sCount.iterator + es[u]).llvm_ptr, Int32(1))
+        es = own_experts(mIds, mMap, g, tidx, n_routes, self.has_map)
+        for u in cutlass.range_constexpr(ROUTES_PER_THREAD):
+            if es[u] >= 0:
+                cute.arch.atomic_add((sCount.iterator + es[u]).llvm_ptr, Int32(1))
         cute.arch.sync_threads()
         for e in range(tidx, E, THREADS):
             mHist[g * E + e] = sCount[e]
@@ -207,10 +209,8 @@ class RoutePack:
             for b in range(total // M + tidx, max_blocks, THREADS):
                 mBlockExpert[b] = -1
         cute.arch.sync_threads()
-        r0 = g * PACK_ROUTES_PER_CTA
-        if r0 < n_routes:
-            es = load_experts(mIds, mMap, r0 + tidx, n_routes, self.has_map)
-            for u in cutlass.range_constexpr(ROUTES_PER_THREAD):
-                if es[u] >= 0:
-                    slot = cute.arch.atomic_add((sCursor.iterator + es[u]).llvm_ptr, Int32(1))
-                    mSorted[slot] = r0 + tidx + u * THREADS
+        es = own_experts(mIds, mMap, g, tidx, n_routes, self.has_map)
+        for u in cutlass.range_constexpr(ROUTES_PER_THREAD):
+            if es[u] >= 0:
+                slot = cute.arch.atomic_add((sCursor.iterator + es[u]).llvm_ptr, Int32(1))
+                mSorted[slot] = g * PACK_ROUTES_PER_CTA + tidx + u * THREADS
