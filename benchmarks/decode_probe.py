@@ -2,21 +2,26 @@
 
 Owns `TrellisDecode`, its cross-compile `compile_decode` and its host model
 `reference_checksum`; used by `peers.DecodeCeiling`, `overlap_probe.py` and
-`decode_sass.py`, never by the shipped forward. For every listed expert and 128-column N tile of one projection, a
-CTA streams the expert's trellis words through the same cp.async ring as `TrellisGemm`
-(`BRing.issue_b`) and decodes every weight with the same `decode_lane_tile` into the same half2
-B registers. Instead of feeding mma.sync it folds them with packed fp16 adds (FMA pipe)
-into 4 registers per lane and writes their XOR, so no decode is dead code. No A operand,
-no MMA, no output tile: its time is what the GEMM would take if decoding the touched
-experts once were all it did. With `mma_rows` > 0 (a benchmark knob) every decoded tile
-also feeds the GEMM's mma.sync count for that many rows from register-only A fragments:
-the decode + MMA time without activations, shared-memory A or epilogue.
+`decode_sass.py`, never by the shipped forward. For every listed expert and 128-column N
+tile of one projection, a CTA streams the expert's trellis words through the same cp.async
+ring as `TrellisGemm` (`BRing.issue_b`) and decodes every weight with the same
+`decode_lane_tile` into the same half2 B registers. Instead of feeding mma.sync it folds
+them with packed fp16 adds (FMA pipe) into 4 registers per lane and writes their XOR, so no
+decode is dead code. No A operand, no MMA, no output tile: its time is what the GEMM would
+take if decoding the touched experts once were all it did. With `operands` = 2 one launch
+decodes two projections of one shape (gate and up, as FC1's GEMM runs them: the operand is
+the innermost index of the work items, so both projections' items of one expert and N tile
+are neighbours). With `mma_rows` > 0 (a benchmark knob) every decoded tile also feeds the
+GEMM's mma.sync count for that many rows from register-only A fragments: the decode + MMA
+time without activations, shared-memory A or epilogue.
 
-Layouts (raw pointers): B trellis int16 [E, k_dim/16, n_dim/16, 16*bits]; experts int32
-[n_experts] (the experts to decode); out uint32 [n_experts * n_dim/128 * THREADS], one
-word per thread (the checksum `reference_checksum` recomputes on the host); table: the
-codebook's state table (sqg_e4m3: uint8 [65536], staged into shared memory by every CTA
-as in the GEMM, whose persistent CTAs stage it once; ignored by the other codebooks).
+Layouts (raw pointers): B trellis int16 [E, k_dim/16, n_dim/16, 16*bits] (B1: the second
+operand's, read only with `operands` = 2); experts int32 [n_experts] (the experts to
+decode); out uint32 [n_experts * n_dim/128 * operands * THREADS], one word per thread of
+each item (item = (expert x N tile) * operands + operand; the checksum `reference_checksum`
+recomputes on the host); table: the codebook's state table (sqg_e4m3: uint8 [65536],
+staged into shared memory by every CTA as in the GEMM, whose persistent CTAs stage it once;
+ignored by the other codebooks).
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ class TrellisDecode:
     def __init__(self, *, k_dim: int, n_dim: int, bits: int, codebook: str,
                  stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1, mma_rows: int = 0,
                  decode: bool = True, ctas_per_sm: int = 1, pair_table: bool = False,
-                 workers: int = 1, table_decode: str = "direct"):
+                 workers: int = 1, table_decode: str = "direct", operands: int = 1):
+        if operands not in (1, 2):
+            raise ValueError(f"operands {operands!r} must be 1 or 2")
         reason = self.can_implement(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                                     stages=stages)
         if reason is not None:
@@ -53,6 +60,7 @@ class TrellisDecode:
         # Workers: independent 128-thread work-item loops per CTA sharing the table (as the
         # wgmma GEMM runs them beside the 128 KiB pair table), each with its own B ring.
         self.workers = workers
+        self.operands = operands
         self.threads = THREADS * workers
         self.smem_bytes = self.smem(bits, stages, codebook, pair_table, workers, table_decode)
         # Benchmark knob: also run the GEMM's mma.sync count for `mma_rows` rows on every
@@ -81,19 +89,22 @@ class TrellisDecode:
                                          codebook=codebook, stages=stages)
 
     @cute.jit
-    def __call__(self, pB: cute.Pointer, pExperts: cute.Pointer, pOut: cute.Pointer,
-                 pTable: cute.Pointer, n_experts: Int32, sm_count: Int32, stream):
+    def __call__(self, pB: cute.Pointer, pB1: cute.Pointer, pExperts: cute.Pointer,
+                 pOut: cute.Pointer, pTable: cute.Pointer, n_experts: Int32, sm_count: Int32,
+                 stream):
         # Table codebooks: persistent CTAs, as in the GEMM (the table is staged per CTA).
-        grid = n_experts * self.gemm.n_tiles
+        n_items = n_experts * self.operands * self.gemm.n_tiles
+        grid = n_items
         if cutlass.const_expr(self.gemm.table):
-            grid = persistent_grid(n_experts, self.gemm.n_tiles, sm_count, self.gemm.ctas_per_sm)
-        self.kernel(pB, pExperts, pOut, pTable, n_experts * self.gemm.n_tiles).launch(
+            grid = persistent_grid(n_experts * self.operands, self.gemm.n_tiles, sm_count,
+                                   self.gemm.ctas_per_sm)
+        self.kernel(pB, pB1, pExperts, pOut, pTable, n_items).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
             stream=stream, min_blocks_per_mp=self.gemm.min_ctas_per_sm, preferred_smem_carveout=100)
 
     @cute.kernel
-    def kernel(self, pB: cute.Pointer, pExperts: cute.Pointer, pOut: cute.Pointer,
-               pTable: cute.Pointer, n_items: Int32):
+    def kernel(self, pB: cute.Pointer, pB1: cute.Pointer, pExperts: cute.Pointer,
+               pOut: cute.Pointer, pTable: cute.Pointer, n_items: Int32):
         mExperts = ptx.flat_tensor(pExperts)
         mOut = ptx.flat_tensor(pOut)
         smem = cutlass.memory.SmemAllocator()
@@ -120,10 +131,11 @@ class TrellisDecode:
                 # short launch reaches every SM before any SM's second worker starts.
                 first, stride = bidx + wk * gdim, gdim * self.workers
             for work in range(first, n_items, stride):
-                self.item(work, pB, mExperts, mOut, sB, tab, tidx)
+                self.item(work, pB, pB1, mExperts, mOut, sB, tab, tidx)
                 self.sync()  # the next item refills the ring
         else:
-            self.item(bidx, pB, mExperts, mOut, sB, tab, tidx)
+            if bidx < n_items:
+                self.item(bidx, pB, pB1, mExperts, mOut, sB, tab, tidx)
 
     def sync(self):
         """The barrier of this thread's worker (named barrier 1 + worker with workers)."""
@@ -134,15 +146,21 @@ class TrellisDecode:
             cute.arch.sync_threads()
 
     @cute.jit
-    def item(self, work, pB, mExperts, mOut, sB, tab, tidx):
-        """Decode work item `work` (listed expert x N tile) and write its checksum words."""
+    def item(self, work, pB, pB1, mExperts, mOut, sB, tab, tidx):
+        """Decode work item `work` ((listed expert x N tile) x operand) and write its
+        checksum words."""
         b_saddr = sB.iterator.toint()
         warp = tidx // 32
         widx, q0 = lane_words(tidx % 32, self.gemm.bits)
         bidx = work
-        expert = mExperts[bidx // self.gemm.n_tiles]
-        nt = bidx % self.gemm.n_tiles
-        b_gbase = pB.toint() + self.gemm.ring.b_tile_base(expert, nt)
+        tile = work // self.operands
+        expert = mExperts[tile // self.gemm.n_tiles]
+        nt = tile % self.gemm.n_tiles
+        b_base = pB.toint()
+        if cutlass.const_expr(self.operands > 1):
+            if work - tile * self.operands == 1:
+                b_base = pB1.toint()
+        b_gbase = b_base + self.gemm.ring.b_tile_base(expert, nt)
         rSum = cute.make_rmem_tensor((4,), Uint32)
         rSum.fill(0)
         acc = cute.make_rmem_tensor((max(self.m_tiles, 1), 2, 4), Float32)
@@ -219,10 +237,12 @@ def reference_checksum(trellis, experts, codebook: str):
 def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: str = "sm_90a",
                    stages: int = DEFAULT_STAGES, min_ctas_per_sm: int = 1, mma_rows: int = 0,
                    decode: bool = True, cubin_dir: str | None = None, pair_table: bool = False,
-                   table_decode: str = "direct", workers: int | None = None):
+                   table_decode: str = "direct", workers: int | None = None,
+                   operands: int = 1):
     """Cross-compile the decode-only kernel (`TrellisDecode`) for one projection
-    shape; returns (the JIT-compiled callable, its measured resources). The callable takes
-    (trellis, experts, out, table) pointers, the expert count, the device's SM count and a
+    shape (`operands` 2: two projections of that shape in one launch); returns (the
+    JIT-compiled callable, its measured resources). The callable takes (trellis, second
+    operand's trellis (any pointer with `operands` 1), experts, out, table) pointers, the expert count, the device's SM count and a
     stream; it runs only where `arch` matches the GPU. `cubin_dir` keeps the cubin there
     (for SASS reading). Table codebooks run SMs x (CTAs that fit by shared memory, at most
     `min_ctas_per_sm`) persistent CTAs, each staging the table once; `pair_table`: the K=2
@@ -255,9 +275,9 @@ def compile_decode(*, k_dim: int, n_dim: int, bits: int, codebook: str, arch: st
     probe = TrellisDecode(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                           stages=stages, min_ctas_per_sm=min_ctas_per_sm, mma_rows=mma_rows,
                           decode=decode, ctas_per_sm=ctas, pair_table=pair_table,
-                          workers=workers, table_decode=table_decode)
+                          workers=workers, table_decode=table_decode, operands=operands)
     args = [make_ptr(dt, 256, cute.AddressSpace.gmem, assumed_align=16)
-            for dt in (cutlass.Int16, cutlass.Int32, cutlass.Uint32, cutlass.Uint8)]
+            for dt in (cutlass.Int16, cutlass.Int16, cutlass.Int32, cutlass.Uint32, cutlass.Uint8)]
     compiled, resources, _ = compile_measured(
         probe, [*args, cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0)], arch,
         {"TrellisDecode": probe.smem_bytes}, cubin_dir)

@@ -4,8 +4,8 @@
   rotations into dense bf16 experts) through `torch._grouped_mm`, graph-capturable: routes
   sorted by expert on the GPU, three grouped GEMMs, router-weighted scatter-add.
 - `DecodeCeiling`: the measured decode-only ceiling: the decode-only kernel
-  (`decode_probe.py`) over the touched experts of all three projections,
-  graph-replayed.
+  (`decode_probe.py`) over the touched experts of all three projections, launched as the
+  layer's GEMMs are (gate and up in one launch, down in another), graph-replayed.
 - `measure_copy_bandwidth()`, `measure_bf16_matmul_rate()`: the ceilings the floors use.
 - `random_tokens`, `capture`, `graph_median_ms`: the benchmarks' inputs and graph timing.
 """
@@ -84,12 +84,15 @@ def measure_bf16_matmul_rate(n: int = 8192) -> float:
 
 
 class DecodeCeiling:
-    """Decodes the touched experts' trellis codes of gate, up and down once each (one
-    decode-only launch per projection, same decode and cp.async ring as the GEMM)."""
+    """Decodes the touched experts' trellis codes of gate, up and down once each, with the
+    GEMM's decode and cp.async ring, in the GEMMs' launches: gate and up in one (their
+    work items interleaved as FC1's GEMM deals them), down in another.
+    `fc1_launches=2`: one launch per projection (how the ceiling ran before FC1 became
+    one launch; a short launch's last round then comes twice)."""
 
     def __init__(self, weights, *, ctas_per_sm: int = 8, mma_rows: int = 0,
                  decode: bool = True, pair_table: bool | None = None,
-                 workers: int | None = None):
+                 workers: int | None = None, fc1_launches: int = 1):
         from decode_probe import compile_decode
 
         arch = "sm_%d%da" % torch.cuda.get_device_capability()
@@ -99,18 +102,29 @@ class DecodeCeiling:
 
             pair_table = layer_spec(w, topk=1).replace(arch=arch).pair_table()
         self.pair_table = pair_table
-        self.trellis = (w.gate_trellis, w.up_trellis, w.down_trellis)
-        shapes = ((w.hidden, w.intermediate), (w.intermediate, w.hidden))
+        if fc1_launches not in (1, 2):
+            raise ValueError(f"fc1_launches {fc1_launches!r} must be 1 or 2")
+        fc1, down = (w.hidden, w.intermediate), (w.intermediate, w.hidden)
+        # One entry per launch: (shape, operands, trellis of operand 0, of operand 1).
+        if fc1_launches == 1:
+            self.launches = ((fc1, 2, w.gate_trellis, w.up_trellis),
+                             (down, 1, w.down_trellis, w.down_trellis))
+        else:
+            self.launches = ((fc1, 1, w.gate_trellis, w.gate_trellis),
+                             (fc1, 1, w.up_trellis, w.up_trellis),
+                             (down, 1, w.down_trellis, w.down_trellis))
         self.fns = {}
         self.resources = {}
-        for k_dim, n_dim in shapes:
+        for (k_dim, n_dim), operands, _, _ in self.launches:
+            if (k_dim, n_dim, operands) in self.fns:
+                continue
             fn, res = compile_decode(k_dim=k_dim, n_dim=n_dim, bits=w.bits, codebook=w.codebook,
                                      arch=arch, min_ctas_per_sm=ctas_per_sm, mma_rows=mma_rows,
-                                     decode=decode, pair_table=pair_table, workers=workers)
-            self.fns[(k_dim, n_dim)] = fn
-            self.resources[(k_dim, n_dim)] = res
-        self.shapes = (shapes[0], shapes[0], shapes[1])
-        self.out = torch.empty(w.num_experts * (max(w.hidden, w.intermediate) // 128) * 128,
+                                     decode=decode, pair_table=pair_table, workers=workers,
+                                     operands=operands)
+            self.fns[(k_dim, n_dim, operands)] = fn
+            self.resources[(k_dim, n_dim, operands)] = res
+        self.out = torch.empty(w.num_experts * max(2 * w.intermediate, w.hidden) // 128 * 128,
                                dtype=torch.int32, device="cuda")
         self.table = codebook_table(w, pair_table)
         self.sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -129,11 +143,11 @@ class DecodeCeiling:
 
         def run():
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-            for codes, shape in zip(self.trellis, self.shapes):
-                self.fns[shape](P(codes, cutlass.Int16), P(experts, cutlass.Int32),
-                                P(self.out, cutlass.Uint32), P(self.table, cutlass.Uint8),
-                                cutlass.Int32(experts.numel()), cutlass.Int32(self.sm_count),
-                                stream)
+            for shape, operands, codes, codes1 in self.launches:
+                self.fns[(*shape, operands)](
+                    P(codes, cutlass.Int16), P(codes1, cutlass.Int16), P(experts, cutlass.Int32),
+                    P(self.out, cutlass.Uint32), P(self.table, cutlass.Uint8),
+                    cutlass.Int32(experts.numel()), cutlass.Int32(self.sm_count), stream)
 
         return graph_median_ms([capture(run)], iters)
 

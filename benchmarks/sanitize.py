@@ -135,19 +135,21 @@ def decode_kernel() -> None:
     from kquant_cute import trellis
 
     k_dim, n_dim, n_exp = 256, 256, 3
-    codes = torch.stack([trellis.random_trellis(k_dim, n_dim, 4) for _ in range(n_exp)]).cuda()
+    # Two operands in one launch, as the ceiling runs gate and up.
+    codes = [torch.stack([trellis.random_trellis(k_dim, n_dim, 4) for _ in range(n_exp)]).cuda()
+             for _ in range(2)]
     experts = torch.tensor([2, 0], dtype=torch.int32, device="cuda")
-    out = torch.zeros(2 * (n_dim // 128) * 128, dtype=torch.int32, device="cuda")
+    out = torch.zeros(2 * 2 * (n_dim // 128) * 128, dtype=torch.int32, device="cuda")
     major, minor = torch.cuda.get_device_capability()
     fn, _ = compile_decode(k_dim=k_dim, n_dim=n_dim, bits=4, codebook="mcg",
-                           arch=f"sm_{major}{minor}a")
+                           arch=f"sm_{major}{minor}a", operands=2)
 
     def P(t, dt):
         return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
     table = torch.zeros(16, dtype=torch.uint8, device="cuda")  # mcg reads no state table
-    fn(P(codes, cutlass.Int16), P(experts, cutlass.Int32), P(out, cutlass.Uint32),
-       P(table, cutlass.Uint8), cutlass.Int32(2), cutlass.Int32(1),
+    fn(P(codes[0], cutlass.Int16), P(codes[1], cutlass.Int16), P(experts, cutlass.Int32),
+       P(out, cutlass.Uint32), P(table, cutlass.Uint8), cutlass.Int32(2), cutlass.Int32(1),
        cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
     print("ran TrellisDecode", flush=True)

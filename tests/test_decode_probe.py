@@ -83,6 +83,15 @@ def test_overlap_probe_variants_keep_their_mmas(decode, tmp_path):
         TrellisDecode(k_dim=384, n_dim=3584, bits=4, codebook="mcg", mma_rows=24)
 
 
+def test_decode_kernel_takes_one_or_two_operands():
+    """`operands` is how many projections one launch decodes (1, or FC1's 2); other counts
+    are refused before any compile."""
+    assert TrellisDecode(k_dim=384, n_dim=3584, bits=4, codebook="mcg", operands=2).operands == 2
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="operands"):
+            TrellisDecode(k_dim=384, n_dim=3584, bits=4, codebook="mcg", operands=bad)
+
+
 def _table(codebook, bits):
     """The state table the kernels read (sqg_e4m3), else a placeholder they never read."""
     if codebook == "sqg_e4m3":
@@ -91,15 +100,16 @@ def _table(codebook, bits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codebook,bits,pair", [("mcg", 4, False), ("mcg", 3, False),
-                                                ("mul1", 2, False), ("3inst", 6, False),
-                                                ("sqg_e4m3", 2, False), ("sqg_e4m3", 3, False),
-                                                ("sqg_e4m3", 2, True)])
-def test_decode_only_kernel_checksum(codebook, bits, pair):
+@pytest.mark.parametrize("codebook,bits,pair,operands", [
+    ("mcg", 4, False, 1), ("mcg", 3, False, 1), ("mul1", 2, False, 1), ("3inst", 6, False, 1),
+    ("sqg_e4m3", 2, False, 1), ("sqg_e4m3", 3, False, 1), ("sqg_e4m3", 2, True, 1),
+    ("mcg", 4, False, 2), ("sqg_e4m3", 2, True, 2)])
+def test_decode_only_kernel_checksum(codebook, bits, pair, operands):
     """The decode-only ceiling kernel decodes every weight of the listed experts: its
     per-thread checksum equals the host model bit for bit (poisoned output first); `pair`:
     through the K=2 pair table with four workers per CTA (one CTA: workers 0 and 1 take
-    two items each)."""
+    two items each); `operands` 2: two projections in one launch, their items interleaved
+    (each its own codes, so a swapped operand changes the words)."""
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -108,20 +118,24 @@ def test_decode_only_kernel_checksum(codebook, bits, pair):
     from kquant_cute import trellis
     k_dim, n_dim, n_exp = 384, 256, 5
     g = torch.Generator().manual_seed(bits)
-    codes = torch.stack([trellis.random_trellis(k_dim, n_dim, bits, generator=g)
-                         for _ in range(n_exp)]).cuda()
+    codes = [torch.stack([trellis.random_trellis(k_dim, n_dim, bits, generator=g)
+                          for _ in range(n_exp)]).cuda() for _ in range(operands)]
     experts = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
-    out = torch.full((3 * (n_dim // 128) * 128,), -1, dtype=torch.int32, device="cuda")
+    n_tiles = n_dim // 128
+    out = torch.full((3 * n_tiles * operands * 128,), -1, dtype=torch.int32, device="cuda")
     fn, _ = compile_decode(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
-                           arch="sm_%d%da" % torch.cuda.get_device_capability(), pair_table=pair)
+                           arch="sm_%d%da" % torch.cuda.get_device_capability(), pair_table=pair,
+                           operands=operands)
     table = tc.sqg_pair_table(bits, "cuda") if pair else _table(codebook, bits)
 
     def P(t, dt):
         return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
-    fn(P(codes, cutlass.Int16), P(experts, cutlass.Int32), P(out, cutlass.Uint32),
-       P(table, cutlass.Uint8), cutlass.Int32(3), cutlass.Int32(1),
+    fn(P(codes[0], cutlass.Int16), P(codes[-1], cutlass.Int16), P(experts, cutlass.Int32),
+       P(out, cutlass.Uint32), P(table, cutlass.Uint8), cutlass.Int32(3), cutlass.Int32(1),
        cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
-    want = reference_checksum(codes.cpu(), experts.cpu(), codebook)
+    # Item (expert x N tile) * operands + operand: the operands' words interleave by item.
+    want = torch.stack([reference_checksum(c.cpu(), experts.cpu(), codebook).reshape(-1, 128)
+                        for c in codes], dim=1).reshape(-1)
     assert torch.equal(out.cpu().to(torch.int64) & 0xFFFFFFFF, want)
