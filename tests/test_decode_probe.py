@@ -57,9 +57,10 @@ def test_reference_checksum_matches_a_scalar_loop():
 
 @pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
-def test_decode_kernel_compiles_without_spills(arch):
+@pytest.mark.parametrize("operands", [1, 2])
+def test_decode_kernel_compiles_without_spills(arch, operands):
     _, res = compile_decode(k_dim=384, n_dim=3584, bits=4, codebook="mcg", arch=arch,
-                            min_ctas_per_sm=8)
+                            min_ctas_per_sm=8, operands=operands)
     (decode,) = [r for r in res if r.kernel == "TrellisDecode"]
     assert decode.stack == 0 and decode.local == 0
     assert 0 < decode.registers <= 64  # 8 CTAs of 128 threads per SM
