@@ -31,7 +31,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
 from kquant_cute.kernels import ptx
-from kquant_cute.kernels.bring import DEFAULT_STAGES, K_STEPS_PER_STAGE, b_stage_bytes
+from kquant_cute.kernels.bring import (DEFAULT_STAGES, K_STEPS_PER_STAGE, b_stage_bytes,
+                                       operand_item)
 from kquant_cute.kernels.decode import lane_words, persistent_grid, stage_table, table_bytes
 from kquant_cute.kernels.trellis_gemm import THREADS, TrellisGemm
 from kquant_cute.kernels.trellis_wgmma import max_workers
@@ -134,8 +135,7 @@ class TrellisDecode:
                 self.item(work, pB, pB1, mExperts, mOut, sB, tab, tidx)
                 self.sync()  # the next item refills the ring
         else:
-            if bidx < n_items:
-                self.item(bidx, pB, pB1, mExperts, mOut, sB, tab, tidx)
+            self.item(bidx, pB, pB1, mExperts, mOut, sB, tab, tidx)
 
     def sync(self):
         """The barrier of this thread's worker (named barrier 1 + worker with workers)."""
@@ -153,13 +153,11 @@ class TrellisDecode:
         warp = tidx // 32
         widx, q0 = lane_words(tidx % 32, self.gemm.bits)
         bidx = work
-        tile = work // self.operands
+        # The GEMMs' dealing of operands (B only: no A, no output tile here).
+        tile, _, b_base, _ = operand_item(work, self.operands,
+                                          (0, pB.toint(), 0, 0, pB1.toint() - pB.toint(), 0))
         expert = mExperts[tile // self.gemm.n_tiles]
         nt = tile % self.gemm.n_tiles
-        b_base = pB.toint()
-        if cutlass.const_expr(self.operands > 1):
-            if work - tile * self.operands == 1:
-                b_base = pB1.toint()
         b_gbase = b_base + self.gemm.ring.b_tile_base(expert, nt)
         rSum = cute.make_rmem_tensor((4,), Uint32)
         rSum.fill(0)
