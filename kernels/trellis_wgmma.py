@@ -50,7 +50,7 @@ serialize the pipeline), which is where the uniform loop waits anyway (the drain
 next stage's top). One state table per rate (128 KiB for {3, 4}) leaves shared memory for
 one CTA per SM.
 Workers: where the tables leave one CTA per SM (the pair table, mixed rates), the CTA runs
-`workers` = 2..4 independent one-warpgroup workers that share the tables, as many as fit
+`workers` = 2..6 independent one-warpgroup workers that share the tables, as many as fit
 (`workers_for`) and as the register cap allows (`ROWS_MAX_WORKERS`: a worker's thread
 holds one fp32 accumulator per row of its item): each has its own rings, its own named barrier,
 and its own share of the CTA's work items, which is what several uniform CTAs on the SM
@@ -120,18 +120,27 @@ def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1,
             + workers * (a_region_bytes(span * block_m, stages) + stages * b_stage_bytes(bits)))
 
 
-WORKERS = (1, 2, 3, 4)
+WORKERS = (1, 2, 3, 4, 5, 6)
 #: T12 layers keep two workers: the register cap of more threads per CTA makes ptxas
 #: spill in the bijection.
 T12_MAX_WORKERS = 2
 #: Most workers by work-item rows (a one-warpgroup item holds `rows` fp32 accumulators per
 #: thread; w workers cap a thread at 65,536 / (128 w) registers): ptxas, sm_90a, the pair
-#: table's GEMM spills with 48 rows at 128 registers (4 workers) and with 64 at 168 (3).
+#: table's GEMM spills with 48 rows at 128 registers (4 workers) and with 64 at 168 (3),
+#: and with 32 rows at 96 (5).
 ROWS_MAX_WORKERS = ((32, 4), (48, 3), (64, 2), (WORKER_ROWS, 2))
+#: The pair table's GEMM up to `PAIR_SMALL_ROWS` rows: 6 workers (6 x 16,384 B of rings fit
+#: beside the 128 KiB table; ptxas fits 79 registers of the 80 a thread of 768 may use, no
+#: spills; 8 workers spill at 16 rows). Measured faster than 4 (docs/benchmarks.md, "Six
+#: workers up to 16 rows"). Mixed rates keep `ROWS_MAX_WORKERS`: their 6 workers compile
+#: (80 registers at M=8) but have not run on a GPU.
+PAIR_SMALL_ROWS, PAIR_SMALL_ROWS_WORKERS = 16, 6
 
 
-def max_workers(rows: int, table_decode: str = "direct") -> int:
+def max_workers(rows: int, table_decode: str = "direct", pair_table: bool = False) -> int:
     """The most workers whose register cap holds a work item of `rows` rows (T12: 2)."""
+    if pair_table and rows <= PAIR_SMALL_ROWS:
+        return PAIR_SMALL_ROWS_WORKERS
     top = next(w for r, w in ROWS_MAX_WORKERS if rows <= r)
     return min(top, T12_MAX_WORKERS) if table_decode == "t12" else top
 
@@ -231,12 +240,12 @@ class TrellisWgmma(GemmClass):
     def workers_for(cls, smem_limit: int, *, block_m: int, span: int = 1, bits_set: tuple = (),
                     pair_table: bool = False, **args) -> int:
         """Where the state tables leave room for one CTA per SM (mixed rates, the pair
-        table): the most one-warpgroup workers (up to 4; T12 up to `T12_MAX_WORKERS`) whose
+        table): the most one-warpgroup workers (up to 6; T12 up to `T12_MAX_WORKERS`) whose
         rings fit beside the tables (module docstring), else 1. More warpgroups in flight
         keep more decode loads queued on the banks while others wait on their wgmma."""
         if not (bits_set or pair_table) or span * block_m > WORKER_ROWS:
             return 1
-        top = max_workers(span * block_m, args.get("table_decode", "direct"))
+        top = max_workers(span * block_m, args.get("table_decode", "direct"), pair_table)
         for workers in range(top, 1, -1):
             need = cls.smem_bytes_for(block_m=block_m, span=span, bits_set=bits_set,
                                       pair_table=pair_table, **dict(args, workers=workers))

@@ -226,7 +226,8 @@ def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
     128 KiB pair table and as many one-warpgroup workers' rings as fit in the 101,376 B
     left of 227 KB (one CTA per SM) and as the register cap allows: a worker holds 4 stages x
     2,048 B of K=2 words and its activation ring (4 stages x rows x 128 B; the epilogue
-    stores from registers), 12,288 B at 8 rows (4 workers, 512 threads), 24,576 B at 32 rows
+    stores from registers), 12,288 B at 8 rows (6 workers, 768 threads), 16,384 B at 16 rows
+    (6), 24,576 B at 32 rows
     (M=32 runs span 1 here; 4 workers), 32,768 B at 48 rows (3), 40,960 B at 64 rows (2,
     256 threads), and 48 x 2 runs two 96-row workers on a 3-stage ring (43,008 B each). At
     the plans' block sizes it spills nothing and fits 227 KB; the mma.sync GEMM keeps the
@@ -234,8 +235,8 @@ def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
     from kquant_cute.kernels.decode import PAIR_TABLE_BYTES, TABLE_BYTES
 
     limits = arch_limits("sm_90a")
-    for m, span, workers, stages in ((8, 1, 4, 4), (32, 1, 4, 4), (48, 1, 3, 4), (64, 1, 2, 4),
-                                     (48, 2, 2, 3)):
+    for m, span, workers, stages in ((8, 1, 6, 4), (16, 1, 6, 4), (32, 1, 4, 4), (48, 1, 3, 4),
+                                     (64, 1, 2, 4), (48, 2, 2, 3)):
         spec = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=m, arch="sm_90a",
                                         **({"span": span} if span > 1 else {}))
         assert (spec.span, spec.stages) == (span, stages) and spec.table_layout() == "pair"
