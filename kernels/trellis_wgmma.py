@@ -570,7 +570,7 @@ class TrellisWgmma(GemmClass):
 
     def sync(self):
         """The barrier of this thread's work item: the CTA's, or with workers its worker's
-        named barrier (ids 1, 2; 0 is the CTA's)."""
+        named barrier (ids 1 .. workers, at most 6 of the 16; 0 is the CTA's)."""
         if cutlass.const_expr(self.workers > 1):
             tidx, _, _ = cute.arch.thread_idx()
             cute.arch.barrier(barrier_id=1 + tidx // self.item_threads,
