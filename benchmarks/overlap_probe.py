@@ -1,4 +1,5 @@
-"""Do the trellis decode and mma.sync overlap on this GPU? (H200 run: docs/perf-log.md)
+"""Do the trellis decode and mma.sync overlap on this GPU? (H200 run: "Decode and MMA add on
+the H200" in `git show 41b240f:docs/perf-log.md`)
 
     python3 benchmarks/overlap_probe.py [--rows 0 16 32 64] [--bits 4]
 

@@ -33,7 +33,8 @@ import time
 KERNELS = ("TrellisWgmma", "TrellisGemm", "TrellisDecode", "RouteCount", "RoutePack",
            "RotateInput", "MidActivation", "CombineOutput")
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-#: Reports understood and harmless: where they come from (see docs/perf-log.md, "Sanitizers").
+#: Reports understood and harmless: where they come from (see "Sanitizers, input semantics
+#: and fuzz" in `git show 41b240f:docs/perf-log.md`).
 EXPLAINED = {
     "host:cuGetProcAddress_v2": "cuda-bindings (cydriver) resolving driver entry points at the "
     "first cute.compile of a process (the DSL's detect_gpu_arch); a host API return code the "
