@@ -51,7 +51,7 @@ next stage's top). One state table per rate (128 KiB for {3, 4}) leaves shared m
 one CTA per SM.
 Workers: where the tables leave one CTA per SM (the pair table, mixed rates), the CTA runs
 `workers` = 2..6 independent one-warpgroup workers that share the tables, as many as fit
-(`workers_for`) and as the register cap allows (`ROWS_MAX_WORKERS`: a worker's thread
+(`workers_for`) and as the register cap allows (`max_workers`: a worker's thread
 holds one fp32 accumulator per row of its item): each has its own rings, its own named barrier,
 and its own share of the CTA's work items, which is what several uniform CTAs on the SM
 would do (one's prologue, epilogue and stage-top drain overlap the others' decode, and
@@ -120,7 +120,6 @@ def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1,
             + workers * (a_region_bytes(span * block_m, stages) + stages * b_stage_bytes(bits)))
 
 
-WORKERS = (1, 2, 3, 4, 5, 6)
 #: T12 layers keep two workers: the register cap of more threads per CTA makes ptxas
 #: spill in the bijection.
 T12_MAX_WORKERS = 2
@@ -129,19 +128,20 @@ T12_MAX_WORKERS = 2
 #: table's GEMM spills with 48 rows at 128 registers (4 workers) and with 64 at 168 (3),
 #: and with 32 rows at 96 (5).
 ROWS_MAX_WORKERS = ((32, 4), (48, 3), (64, 2), (WORKER_ROWS, 2))
-#: The pair table's GEMM up to `PAIR_SMALL_ROWS` rows: 6 workers (6 x 16,384 B of rings fit
-#: beside the 128 KiB table; ptxas fits 79 registers of the 80 a thread of 768 may use, no
-#: spills; 8 workers spill at 16 rows). Measured faster than 4 (docs/benchmarks.md, "Six
-#: workers up to 16 rows"). Mixed rates keep `ROWS_MAX_WORKERS`: their 6 workers compile
-#: (80 registers at M=8) but have not run on a GPU.
-PAIR_SMALL_ROWS, PAIR_SMALL_ROWS_WORKERS = 16, 6
+#: The pair table's GEMM: 6 workers up to 16 rows (6 x 16,384 B of rings fit beside the 128
+#: KiB table; ptxas fits 79 registers of the 80 a thread of 768 may use, no spills; 8
+#: workers spill at 16 rows), measured faster than 4 (docs/benchmarks.md, "Six workers up
+#: to 16 rows"); wider items as `ROWS_MAX_WORKERS`. Mixed rates keep that table: their 6
+#: workers compile (80 registers at M=8) but have not run on a GPU.
+PAIR_ROWS_MAX_WORKERS = ((16, 6),) + ROWS_MAX_WORKERS
+#: The worker counts a CTA may run (`check_workers`).
+WORKERS = tuple(range(1, max(w for _, w in PAIR_ROWS_MAX_WORKERS) + 1))
 
 
 def max_workers(rows: int, table_decode: str = "direct", pair_table: bool = False) -> int:
     """The most workers whose register cap holds a work item of `rows` rows (T12: 2)."""
-    if pair_table and rows <= PAIR_SMALL_ROWS:
-        return PAIR_SMALL_ROWS_WORKERS
-    top = next(w for r, w in ROWS_MAX_WORKERS if rows <= r)
+    caps = PAIR_ROWS_MAX_WORKERS if pair_table else ROWS_MAX_WORKERS
+    top = next(w for r, w in caps if rows <= r)
     return min(top, T12_MAX_WORKERS) if table_decode == "t12" else top
 
 

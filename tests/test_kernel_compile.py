@@ -257,17 +257,16 @@ def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
 
 @needs_cuobjdump
 def test_the_register_cap_is_where_ptxas_spills(tmp_path, monkeypatch):
-    """`ROWS_MAX_WORKERS` is measured, not a guess: without it the pair table's M=48 on
+    """`PAIR_ROWS_MAX_WORKERS` is measured, not a guess: without it the pair table's M=48 on
     3-stage rings would run 4 workers (4 x 24,576 B fit the 100,352 B beside the table) and
     M=64 3 workers (3 x 30,720 B), and ptxas spills both at the 128 / 168 registers a
     thread that many workers leave; with it the default 4-stage plans run 3 and 2 workers
-    with no spills (the pair-table test above). Likewise up to 16 rows
-    (`PAIR_SMALL_ROWS_WORKERS`): 8 workers on 3-stage rings fit M=16's shared memory (8 x
+    with no spills (the pair-table test above). Likewise up to 16 rows: 8 workers on 3-stage rings fit M=16's shared memory (8 x
     12,288 B) and spill at 64 registers; 6 run without (the pair-table test above)."""
     from kquant_cute.kernels import trellis_wgmma
 
-    monkeypatch.setattr(trellis_wgmma, "ROWS_MAX_WORKERS", ((trellis_wgmma.WORKER_ROWS, 4),))
-    monkeypatch.setattr(trellis_wgmma, "PAIR_SMALL_ROWS_WORKERS", 8)
+    monkeypatch.setattr(trellis_wgmma, "PAIR_ROWS_MAX_WORKERS",
+                        ((16, 8), (trellis_wgmma.WORKER_ROWS, 4)))
     monkeypatch.setattr(trellis_wgmma, "WORKERS", tuple(range(1, 9)))
     fresh = CompileCache(tmp_path / "c")  # the cap is no part of a cache key
     for m, workers in ((48, 4), (64, 3), (16, 8)):

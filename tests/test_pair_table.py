@@ -115,7 +115,7 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     """With one CTA per SM (the pair table, mixed rates), the wgmma GEMM runs as many
     one-warpgroup workers as fit in the 232,448 B sm_90a block beside the tables, less the
     1,024 B of static shared memory every DSL kernel carries, and as the register cap allows
-    (`ROWS_MAX_WORKERS`: 4 up to 32 rows, 3 at 48, 2 at 64 and 96; the pair table 6 up to 16
+    (`max_workers`: 4 up to 32 rows, 3 at 48, 2 at 64 and 96; the pair table 6 up to 16
     rows). By hand: a worker holds
     its activation ring (stages x rows x 128 B) and its B ring (2,048 B a stage at K=2, 4,096
     B at K<=4); the epilogue stores from registers. A plan drops to 3 stages where that adds
