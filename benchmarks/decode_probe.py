@@ -32,7 +32,7 @@ from cutlass import Float32, Int32, Uint32
 
 from kquant_cute.kernels import ptx
 from kquant_cute.kernels.bring import (DEFAULT_STAGES, K_STEPS_PER_STAGE, b_stage_bytes,
-                                       operand_item)
+                                       operand_bases, operand_item)
 from kquant_cute.kernels.decode import lane_words, persistent_grid, stage_table, table_bytes
 from kquant_cute.kernels.trellis_gemm import THREADS, TrellisGemm
 from kquant_cute.kernels.trellis_wgmma import max_workers
@@ -115,6 +115,9 @@ class TrellisDecode:
             tab = sT.iterator.toint()
         ring_words = self.gemm.stages * self.gemm.ring.b_stage_words
         sB = smem.allocate_tensor(Uint32, cute.make_layout(self.workers * ring_words), 128)
+        # The GEMMs' operand addresses (B only here: A and the output slots repeat B's and
+        # are not read).
+        bases = operand_bases(pB, pB, pB, pB1, pB1, pB1)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         if cutlass.const_expr(self.gemm.table):
@@ -132,10 +135,10 @@ class TrellisDecode:
                 # short launch reaches every SM before any SM's second worker starts.
                 first, stride = bidx + wk * gdim, gdim * self.workers
             for work in range(first, n_items, stride):
-                self.item(work, pB, pB1, mExperts, mOut, sB, tab, tidx)
+                self.item(work, bases, mExperts, mOut, sB, tab, tidx)
                 self.sync()  # the next item refills the ring
         else:
-            self.item(bidx, pB, pB1, mExperts, mOut, sB, tab, tidx)
+            self.item(bidx, bases, mExperts, mOut, sB, tab, tidx)
 
     def sync(self):
         """The barrier of this thread's worker (named barrier 1 + worker with workers)."""
@@ -146,16 +149,14 @@ class TrellisDecode:
             cute.arch.sync_threads()
 
     @cute.jit
-    def item(self, work, pB, pB1, mExperts, mOut, sB, tab, tidx):
+    def item(self, work, bases, mExperts, mOut, sB, tab, tidx):
         """Decode work item `work` ((listed expert x N tile) x operand) and write its
         checksum words."""
         b_saddr = sB.iterator.toint()
         warp = tidx // 32
         widx, q0 = lane_words(tidx % 32, self.gemm.bits)
         bidx = work
-        # The GEMMs' dealing of operands (B only: no A, no output tile here).
-        tile, _, b_base, _ = operand_item(work, self.operands,
-                                          (0, pB.toint(), 0, 0, pB1.toint() - pB.toint(), 0))
+        tile, _, b_base, _ = operand_item(work, self.operands, bases)  # the GEMMs' dealing
         expert = mExperts[tile // self.gemm.n_tiles]
         nt = tile % self.gemm.n_tiles
         b_gbase = b_base + self.gemm.ring.b_tile_base(expert, nt)
