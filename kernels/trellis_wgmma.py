@@ -29,10 +29,11 @@ rows / 2 per thread.
 Real rows are a prefix of the work item (per-expert counts from the route pack): rows past
 them are neither copied nor stored, and the wgmma n is the smallest of `n_variants`
 (multiples of 16) that covers them, one main-loop copy per variant.
-Each k step: wait until the group two steps back has finished (its A registers are
-free), decode the warp's tiles, fence, async wgmma, commit. Stage buffers are refilled
-only after every wgmma of the previous stage has finished (a drain at each stage top;
-refilling mid-stage instead made ptxas serialize the wgmmas, C7513).
+Each k step: wait until the group `steps_in_flight` steps back has finished (its A
+registers are free; two steps, or one where that makes room for one more worker:
+`wgmma_steps_in_flight`), decode the warp's tiles, fence, async wgmma, commit. Stage
+buffers are refilled only after every wgmma of the previous stage has finished (a drain
+at each stage top; refilling mid-stage instead made ptxas serialize the wgmmas, C7513).
 Bitwise equality across block sizes and spans holds within this kernel (same k order,
 same wgmma shape per k step); it does not hold between this kernel and mma.sync, so the
 plans of one layer always share the MMA kind.
@@ -123,26 +124,44 @@ def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1,
 #: T12 layers keep two workers: the register cap of more threads per CTA makes ptxas
 #: spill in the bijection.
 T12_MAX_WORKERS = 2
-#: Most workers by work-item rows (a one-warpgroup item holds `rows` fp32 accumulators per
-#: thread; w workers cap a thread at 65,536 / (128 w) registers): ptxas, sm_90a, the pair
-#: table's GEMM spills with 48 rows at 128 registers (4 workers) and with 64 at 168 (3),
-#: and with 32 rows at 96 (5).
-ROWS_MAX_WORKERS = ((32, 4), (48, 3), (64, 2), (WORKER_ROWS, 2))
+#: Most workers by work-item rows, as `(rows, with two k steps' wgmmas in flight, with one)`
+#: (a one-warpgroup item holds `rows` fp32 accumulators per thread; w workers cap a thread
+#: at 65,536 / (128 w) registers). ptxas, sm_90a, the pair table's GEMM with two steps in
+#: flight spills with 32 rows at 96 registers (5 workers), 48 at 128 (4) and 64 at 168 (3).
+#: Mixed rates: two steps in flight only.
+ROWS_MAX_WORKERS = ((32, 4, 4), (48, 3, 3), (64, 2, 2), (WORKER_ROWS, 2, 2))
 #: The pair table's GEMM: 6 workers up to 16 rows (6 x 16,384 B of rings fit beside the 128
-#: KiB table; ptxas fits 79 registers of the 80 a thread of 768 may use, no spills; 8
-#: workers spill at 16 rows), measured faster than 4 (docs/benchmarks.md, "Six workers up
-#: to 16 rows"); wider items as `ROWS_MAX_WORKERS`. Mixed rates keep that table: their 6
-#: workers compile (80 registers at M=8) but have not run on a GPU.
-PAIR_ROWS_MAX_WORKERS = ((16, 6),) + ROWS_MAX_WORKERS
+#: KiB table; ptxas fits 79 registers of the 80 a thread of 768 may use; 8 workers spill).
+#: From 17 to 64 rows one more worker than two steps in flight allow, with one: the k loop
+#: then waits for the previous step's wgmma before it decodes (one step's A registers live
+#: instead of two), 95 / 123 / 156 registers at 5 / 4 / 3 workers, no spills. One step in
+#: flight is faster only where it adds a worker (docs/benchmarks.md, "Workers and wgmmas in
+#: flight"), so a kernel runs it only there (`wgmma_steps_in_flight`).
+PAIR_ROWS_MAX_WORKERS = ((16, 6, 6), (32, 4, 5), (48, 3, 4), (64, 2, 3), (WORKER_ROWS, 2, 2))
 #: The worker counts a CTA may run (`check_workers`).
-WORKERS = tuple(range(1, max(w for _, w in PAIR_ROWS_MAX_WORKERS) + 1))
+WORKERS = tuple(range(1, max(w for _, _, w in PAIR_ROWS_MAX_WORKERS) + 1))
+
+
+def _worker_caps(rows: int, pair_table: bool) -> tuple[int, int]:
+    """(most workers with two k steps in flight, with one) for a work item of `rows` rows."""
+    caps = PAIR_ROWS_MAX_WORKERS if pair_table else ROWS_MAX_WORKERS
+    for r, two, one in caps:
+        if rows <= r:
+            return two, one
+    raise ValueError(f"a worker's item holds at most {WORKER_ROWS} rows, not {rows}")
 
 
 def max_workers(rows: int, table_decode: str = "direct", pair_table: bool = False) -> int:
     """The most workers whose register cap holds a work item of `rows` rows (T12: 2)."""
-    caps = PAIR_ROWS_MAX_WORKERS if pair_table else ROWS_MAX_WORKERS
-    top = next(w for r, w in caps if rows <= r)
+    top = _worker_caps(rows, pair_table)[1]
     return min(top, T12_MAX_WORKERS) if table_decode == "t12" else top
+
+
+def wgmma_steps_in_flight(rows: int, workers: int, pair_table: bool = False) -> int:
+    """k steps whose wgmmas the k loop keeps in flight: 2, or 1 where `workers` is more
+    than two steps' A registers leave room for (`PAIR_ROWS_MAX_WORKERS`). One worker
+    (items of any rows, up to two warpgroups) keeps two."""
+    return 2 if workers == 1 or workers <= _worker_caps(rows, pair_table)[0] else 1
 
 
 def check_workers(block_m: int, span: int, codebook: str, workers: int) -> str | None:
@@ -311,6 +330,7 @@ class TrellisWgmma(GemmClass):
         # Workers: independent work-item loops per CTA (module docstring); `item_threads`
         # run one work item, `threads` is the CTA.
         self.workers = workers
+        self.steps_in_flight = wgmma_steps_in_flight(self.rows, workers, pair_table)
         self.warpgroups = warpgroups(self.rows, self.ring.mixed, workers)
         self.item_threads = THREADS * self.warpgroups
         self.threads = self.item_threads * workers
@@ -606,8 +626,9 @@ class TrellisWgmma(GemmClass):
         wg = warp // NUM_WARPS
         wq = warp % NUM_WARPS
         for kk in cutlass.range_constexpr(K_STEPS_PER_STAGE):
-            if cutlass.const_expr(kk >= 2):
-                self.wait_acc(acc, 1, n_acc)  # step kk - 2 read the registers reused here
+            if cutlass.const_expr(kk >= self.steps_in_flight):
+                # step kk - steps_in_flight read the A registers reused here
+                self.wait_acc(acc, self.steps_in_flight - 1, n_acc)
             frags = [self.decode_a(sB, buf, kk, (wg * self.m64_per_wg + t) * NUM_WARPS + wq,
                                    widx, q0, tab, bits) for t in range(self.m64_per_wg)]
             desc = smem_descriptor_sw128(a_saddr + buf * self.a_stage + kk * K_STEP_BYTES)

@@ -227,16 +227,16 @@ def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
     left of 227 KB (one CTA per SM) and as the register cap allows: a worker holds 4 stages x
     2,048 B of K=2 words and its activation ring (4 stages x rows x 128 B; the epilogue
     stores from registers), 12,288 B at 8 rows (6 workers, 768 threads), 16,384 B at 16 rows
-    (6), 24,576 B at 32 rows
-    (M=32 runs span 1 here; 4 workers), 32,768 B at 48 rows (3), 40,960 B at 64 rows (2,
-    256 threads), and 48 x 2 runs two 96-row workers on a 3-stage ring (43,008 B each). At
-    the plans' block sizes it spills nothing and fits 227 KB; the mma.sync GEMM keeps the
-    64 KiB direct table."""
+    (6); from 32 rows a 3-stage ring buys a worker: 18,432 B at 32 rows (M=32 runs span 1
+    here; 5 workers), 24,576 B at 48 rows (4), 30,720 B at 64 rows (3), with one k step's
+    wgmma in flight instead of two (`wgmma_steps_in_flight`), and 48 x 2 runs two 96-row
+    workers on a 3-stage ring (43,008 B each). At the plans' block sizes it spills nothing
+    and fits 227 KB; the mma.sync GEMM keeps the 64 KiB direct table."""
     from kquant_cute.kernels.decode import PAIR_TABLE_BYTES, TABLE_BYTES
 
     limits = arch_limits("sm_90a")
-    for m, span, workers, stages in ((8, 1, 6, 4), (16, 1, 6, 4), (32, 1, 4, 4), (48, 1, 3, 4),
-                                     (64, 1, 2, 4), (48, 2, 2, 3)):
+    for m, span, workers, stages in ((8, 1, 6, 4), (16, 1, 6, 4), (32, 1, 5, 3), (48, 1, 4, 3),
+                                     (64, 1, 3, 3), (48, 2, 2, 3)):
         spec = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=m, arch="sm_90a",
                                         **({"span": span} if span > 1 else {}))
         assert (spec.span, spec.stages) == (span, stages) and spec.table_layout() == "pair"
@@ -257,16 +257,17 @@ def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
 
 @needs_cuobjdump
 def test_the_register_cap_is_where_ptxas_spills(tmp_path, monkeypatch):
-    """`PAIR_ROWS_MAX_WORKERS` is measured, not a guess: without it the pair table's M=48 on
-    3-stage rings would run 4 workers (4 x 24,576 B fit the 100,352 B beside the table) and
-    M=64 3 workers (3 x 30,720 B), and ptxas spills both at the 128 / 168 registers a
-    thread that many workers leave; with it the default 4-stage plans run 3 and 2 workers
-    with no spills (the pair-table test above). Likewise up to 16 rows: 8 workers on 3-stage rings fit M=16's shared memory (8 x
-    12,288 B) and spill at 64 registers; 6 run without (the pair-table test above)."""
+    """`PAIR_ROWS_MAX_WORKERS` is measured, not a guess: its workers past two k steps in
+    flight need one. With two steps in flight at every width, the pair table's M=48 and
+    M=64 on 3-stage rings run 4 and 3 workers (4 x 24,576 B and 3 x 30,720 B fit the
+    100,352 B beside the table) and ptxas spills both at the 128 / 168 registers a thread
+    that many workers leave; with one step in flight they run without spills (the
+    pair-table test above). Up to 16 rows: 8 workers on 3-stage rings fit M=16's shared
+    memory (8 x 12,288 B) and spill at 64 registers; 6 run without."""
     from kquant_cute.kernels import trellis_wgmma
 
     monkeypatch.setattr(trellis_wgmma, "PAIR_ROWS_MAX_WORKERS",
-                        ((16, 8), (trellis_wgmma.WORKER_ROWS, 4)))
+                        ((16, 8, 8), (trellis_wgmma.WORKER_ROWS, 4, 4)))
     monkeypatch.setattr(trellis_wgmma, "WORKERS", tuple(range(1, 9)))
     fresh = CompileCache(tmp_path / "c")  # the cap is no part of a cache key
     for m, workers in ((48, 4), (64, 3), (16, 8)):

@@ -73,7 +73,7 @@ def test_pair_fields_decode_every_k2_window_at_every_position():
 
 def test_pair_table_is_a_per_arch_choice():
     """sm_90a's wgmma GEMMs of a uniform K=2 sqg_e4m3 layer use the pair table with several
-    workers per CTA (4 at M=32, on a 3-stage ring); every other layer, and sm_120 (mma.sync,
+    workers per CTA (5 at M=32, on a 3-stage ring); every other layer, and sm_120 (mma.sync,
     101,376 B per block), keeps the direct table."""
     def spec(**kw):
         base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, bits=2,
@@ -83,10 +83,11 @@ def test_pair_table_is_a_per_arch_choice():
         return MoESpec(**base)
 
     s = spec()
-    assert s.pair_table() and s.table_layout() == "pair" and s.gemm_workers() == 4
+    assert s.pair_table() and s.table_layout() == "pair" and s.gemm_workers() == 5
     assert s.gemm_resident_ctas() == 1 and s.check() is None
     gemm = {sub.role: sub for sub in s.sub_kernels()}["gemm1"].build()
-    assert gemm.pair_table and gemm.threads == 512 and gemm.smem_bytes > PAIR_TABLE_BYTES
+    assert gemm.pair_table and gemm.threads == 640 and gemm.smem_bytes > PAIR_TABLE_BYTES
+    assert gemm.steps_in_flight == 1
     for m in (8, 16, 48, 64):
         assert spec(block_m=m).pair_table() and spec(block_m=m).check() is None
     for other in (spec(bits=3), spec(mma="sync"), spec(arch="sm_120a", block_m=32),
@@ -116,13 +117,15 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     one-warpgroup workers as fit in the 232,448 B sm_90a block beside the tables, less the
     1,024 B of static shared memory every DSL kernel carries, and as the register cap allows
     (`max_workers`: 4 up to 32 rows, 3 at 48, 2 at 64 and 96; the pair table 6 up to 16
-    rows). By hand: a worker holds
+    rows, then 5 / 4 / 3 at 32 / 48 / 64 rows with one k step's wgmma in flight, 2 at 96).
+    By hand: a worker holds
     its activation ring (stages x rows x 128 B) and its B ring (2,048 B a stage at K=2, 4,096
     B at K<=4); the epilogue stores from registers. A plan drops to 3 stages where that adds
     a worker. Pair table (131,072 B; 100,352 B left), 4 stages: 8 rows 4,096 + 8,192 =
-    12,288 B -> 6 (the cap); 16 rows 16,384 B, x 6 = 98,304 -> 6; 32 rows 24,576 B, x 4 =
-    98,304 -> 4; 48 rows
-    32,768 B -> 3; 64 rows 40,960 B -> 2; 48 x 2 (96 rows) takes 3 stages, 36,864 + 6,144 =
+    12,288 B -> 6 (the cap); 16 rows 16,384 B, x 6 = 98,304 -> 6; 32 rows takes 3 stages,
+    12,288 + 6,144 = 18,432 B, x 5 = 92,160 -> 5 (4 stages: 24,576 B -> 4); 48 rows takes 3
+    stages, 24,576 B -> 4 (4 stages: 32,768 B -> 3); 64 rows takes 3 stages, 30,720 B -> 3
+    (4 stages: 40,960 B -> 2); 48 x 2 (96 rows) takes 3 stages, 36,864 + 6,144 =
     43,008 B -> 2 (4 stages: 57,344 B -> 1). Rates {3, 4} (two 64 KiB tables, 16,384 B of B
     ring at 4 stages, 12,288 B at 3; 4 workers at most up to 32 rows): 8 rows 20,480 B -> 4;
     16 rows 24,576 B -> 4; 32 rows
@@ -139,10 +142,11 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
 
     pair = {m: (spec(block_m=m).stages, spec(block_m=m).gemm_workers())
             for m in (8, 16, 32, 48, 64)}
-    assert pair == {8: (4, 6), 16: (4, 6), 32: (4, 4), 48: (4, 3), 64: (4, 2)}
+    assert pair == {8: (4, 6), 16: (4, 6), 32: (3, 5), 48: (3, 4), 64: (3, 3)}
     assert spec(block_m=32, stages=5).gemm_workers() == 3  # a pinned ring depth is kept
     assert spec(block_m=32, stages=6).gemm_workers() == 2
-    assert spec(block_m=32).replace(block_m=64).stages == 4  # replace resolves again
+    assert spec(block_m=32).replace(stages=4).gemm_workers() == 4  # the worker the stage bought
+    assert spec(block_m=8).replace(block_m=32).stages == 3  # replace resolves again
     assert spec(block_m=64, span=2).gemm_workers() == 1  # 128 rows: two warpgroups
     wide = spec(block_m=48, span=2)
     assert (wide.stages, wide.gemm_workers()) == (3, 2)
@@ -159,17 +163,35 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     for m in (8, 32):
         s = spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False, table_decode="t12")
         assert s.gemm_workers() == 2 and s.check() is None
-    per_worker = {8: 12_288, 16: 16_384, 32: 24_576, 48: 32_768, 64: 40_960}
-    for m, (_, w) in pair.items():
+    for m, (stages, w) in pair.items():
         threads, smem = spec(block_m=m).kernel_launches()["TrellisWgmma"]
-        assert threads == 128 * w and smem == PAIR_TABLE_BYTES + w * per_worker[m] <= 232_448 - 1_024
+        per_worker = stages * (m * 128 + 2_048)
+        assert threads == 128 * w and smem == PAIR_TABLE_BYTES + w * per_worker <= 232_448 - 1_024
     assert spec(mma="sync").gemm_workers() == 1
+
+
+def test_one_k_step_in_flight_only_where_it_buys_a_worker():
+    """The k loop keeps two steps' wgmmas in flight, one only where the pair table's worker
+    cap needs the registers that frees (`PAIR_ROWS_MAX_WORKERS`): measured slower where it
+    adds no worker (docs/benchmarks.md)."""
+    from kquant_cute.kernels.trellis_wgmma import max_workers, wgmma_steps_in_flight
+
+    pair = {rows: (max_workers(rows, pair_table=True),
+                   wgmma_steps_in_flight(rows, max_workers(rows, pair_table=True), True))
+            for rows in (8, 16, 32, 48, 64, 96)}
+    assert pair == {8: (6, 2), 16: (6, 2), 32: (5, 1), 48: (4, 1), 64: (3, 1), 96: (2, 2)}
+    assert [wgmma_steps_in_flight(r, w, True) for r, w in ((32, 4), (48, 3), (64, 2))] == [2] * 3
+    assert [max_workers(r) for r in (32, 48, 64, 96)] == [4, 3, 2, 2]  # mixed rates
+    assert all(wgmma_steps_in_flight(r, max_workers(r)) == 2 for r in (8, 32, 48, 64, 96))
+    assert wgmma_steps_in_flight(128, 1) == 2  # two warpgroups, one worker
+    with pytest.raises(ValueError, match="at most 96 rows"):
+        max_workers(128, pair_table=True)
 
 
 def test_default_span_at_m32_follows_the_workers():
     """M=32's default span is 2 (an expert's 64 rows decoded once), except where 32-row
     work items fit more workers beside the tables than 64-row ones (above): the pair table's
-    4 against 2, mixed rates' 4 (on 3-stage rings) against 2 (64 rows: the register cap's
+    5 against 3, mixed rates' 4 (on 3-stage rings) against 2 (64 rows: the register cap's
     2); mma.sync has no spans."""
     base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, codebook="sqg_e4m3",
                 block_m=32, shared_hidden_vectors=True, arch="sm_90a")
