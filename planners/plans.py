@@ -98,7 +98,7 @@ def default_banded(codebook: str) -> bool:
 
 #: The wide rule. Work items of WIDE_SPAN consecutive route blocks of one expert decode its
 #: weights once per N tile for all of their rows. Measured on the H200 for both codebooks
-#: (docs/benchmarks.md, "Span crossover"): they win once the average expert has more routed
+#: (docs/benchmarks.md, "Block size and span"): they win once the average expert has more routed
 #: rows than the widest block holds (73 rows: -5 % sqg_e4m3, -14 % mcg against M=64) and
 #: lose below (55 rows: +19 % / +13 %; 37 rows: more), where most experts' rows fit one
 #: block and the second block of an item is padding.
