@@ -1,6 +1,6 @@
 """Plot a `bench_moe.py --json` result as a PNG (needs matplotlib, a benchmark-only tool).
 
-    python benchmarks/plot_bench.py results.json docs/bench_h200_k4.png
+    python benchmarks/plot_bench.py results.json k4.png
 
 Lines: our forward per route block M, the plan pair, the banded plan, the bf16 grouped-GEMM
 peer, the HBM / MMA floors and the measured decode-only ceiling, milliseconds over tokens
