@@ -6,7 +6,7 @@ fused forward, both GEMM paths, small shapes, cold and warm compile cache.
 Runs `python3 benchmarks/sanitize.py --workload CACHE` under each tool: eleven small layers
 (E=16, H=512, I=256, top-4) whose plans cover TrellisWgmma (M=8; M=32 x 2 spans; M=64 x 2,
 two warpgroups; mcg K=3 and 4; the persistent sqg_e4m3 pair-table GEMM at K=2, coupled,
-with 6 workers at M=8, 5 at M=32 x 1, 3 at M=64, 2 of 96 rows at M=48 x 2; the mixed-rate
+with 6 workers at M=8, 5 at M=32 x 1, 3 at M=64, 3 of 96 rows at M=48 x 2; the mixed-rate
 K=3/4 GEMM, with the direct tables (also 2 workers of 96 rows at M=48 x 2) and with T12 +
 bijection), TrellisGemm (mma.sync, M=8 and M=64, mcg K=3;
 sqg_e4m3 K=4 with its smem state table; mixed-rate K=3/4 at M=8/32),
@@ -71,7 +71,8 @@ def workload(cache_dir: str) -> None:
                  # mixed rates through T12 + bijection (sm_120's table decode)
                  dict(mma="wgmma", bits=4, pin=32, shared=True, emap=False, mixed=True,
                       table_decode="t12"),
-                 # two pair-table workers of 96 rows (M=48 x 2, one warpgroup each)
+                 # three pair-table workers of 96 rows (M=48 x 2, one warpgroup each, 2-stage
+                 # rings, one k step in flight)
                  dict(mma="wgmma", bits=2, pin=48, span=2, shared=True, emap=False,
                       codebook="sqg_e4m3", coupled=True),
                  # mixed rates at M=48 x 2: two 96-row workers on 3-stage rings

@@ -57,8 +57,9 @@ holds one fp32 accumulator per row of its item): each has its own rings, its own
 and its own share of the CTA's work items, which is what several uniform CTAs on the SM
 would do (one's prologue, epilogue and stage-top drain overlap the others' decode, and
 more warpgroups keep more table loads queued on the banks). A plan gives up a ring stage
-where that adds a worker (`default_stages`). A worker's item may hold up to `WORKER_ROWS`
-(96) rows on its one warpgroup (48 x 2: two workers on 3-stage rings). Where two workers'
+where that adds a worker (`default_stages`; the pair table down to 2 stages). A worker's
+item may hold up to `WORKER_ROWS` (96) rows on its one warpgroup (48 x 2 with the pair
+table: three workers on 2-stage rings, one k step in flight). Where two workers'
 rings do not fit beside the tables (three rates from M=16, items over 96 rows) one worker
 runs each work item on two warpgroups (64 columns each).
 """
@@ -132,12 +133,13 @@ T12_MAX_WORKERS = 2
 ROWS_MAX_WORKERS = ((32, 4, 4), (48, 3, 3), (64, 2, 2), (WORKER_ROWS, 2, 2))
 #: The pair table's GEMM: 6 workers up to 16 rows (6 x 16,384 B of rings fit beside the 128
 #: KiB table; ptxas fits 79 registers of the 80 a thread of 768 may use; 8 workers spill).
-#: From 17 to 64 rows one more worker than two steps in flight allow, with one: the k loop
+#: From 17 to 96 rows one more worker than two steps in flight allow, with one: the k loop
 #: then waits for the previous step's wgmma before it decodes (one step's A registers live
-#: instead of two), 95 / 123 / 156 registers at 5 / 4 / 3 workers, no spills. One step in
+#: instead of two), 95 / 123 / 156 / 154 registers at 5 / 4 / 3 / 3 workers (32 / 48 / 64 /
+#: 48 x 2 rows; the last on 2-stage rings), no spills. One step in
 #: flight is faster only where it adds a worker (docs/benchmarks.md, "Workers and wgmmas in
 #: flight"), so a kernel runs it only there (`wgmma_steps_in_flight`).
-PAIR_ROWS_MAX_WORKERS = ((16, 6, 6), (32, 4, 5), (48, 3, 4), (64, 2, 3), (WORKER_ROWS, 2, 2))
+PAIR_ROWS_MAX_WORKERS = ((16, 6, 6), (32, 4, 5), (48, 3, 4), (64, 2, 3), (WORKER_ROWS, 2, 3))
 #: The worker counts a CTA may run (`check_workers`).
 WORKERS = tuple(range(1, max(w for _, _, w in PAIR_ROWS_MAX_WORKERS) + 1))
 
@@ -162,6 +164,13 @@ def wgmma_steps_in_flight(rows: int, workers: int, pair_table: bool = False) -> 
     than two steps' A registers leave room for (`PAIR_ROWS_MAX_WORKERS`). One worker
     (items of any rows, up to two warpgroups) keeps two."""
     return 2 if workers == 1 or workers <= _worker_caps(rows, pair_table)[0] else 1
+
+
+def min_default_stages(pair_table: bool) -> int:
+    """The shallowest ring a plan picks to add a worker (`TrellisWgmma.default_stages`):
+    2 for the pair table (measured there: 48 x 2 items, three workers), 3 elsewhere (two
+    stages were not measured for mixed rates)."""
+    return 2 if pair_table else DEFAULT_STAGES - 1
 
 
 def check_workers(block_m: int, span: int, codebook: str, workers: int) -> str | None:
@@ -220,18 +229,21 @@ class TrellisWgmma(GemmClass):
 
     @classmethod
     def default_stages(cls, smem_limit: int | None = None, **args) -> int:
-        """The ring depth a plan uses when none is pinned: `DEFAULT_STAGES`, or one stage
-        less where the shallower rings let one more worker share the tables (the pair
-        table's 48 x 2 items; mixed rates at M=32, M=48 and 48 x 2, three rates at M=8).
-        A worker keeps more decode loads queued on the banks than a deeper ring hides copy
-        latency: every such trade measured paid (docs/benchmarks.md, docs/mixed_rates.md);
-        needs `smem_limit` and the geometry."""
+        """The ring depth a plan uses when none is pinned: `DEFAULT_STAGES`, or the
+        deepest shallower ring, down to `min_default_stages`, that lets more workers share
+        the tables (the pair table: 3 stages at M=32 to 64, 2 at 48 x 2; mixed rates: 3 at
+        M=32, M=48 and 48 x 2, three rates at M=8). A worker keeps more decode loads queued
+        on the banks than a deeper ring hides copy latency: every such trade measured paid
+        (docs/benchmarks.md, docs/mixed_rates.md); needs `smem_limit` and the geometry."""
         if smem_limit is None:
             return DEFAULT_STAGES
-        if (cls.workers_for(smem_limit, stages=DEFAULT_STAGES - 1, **args)
-                > cls.workers_for(smem_limit, stages=DEFAULT_STAGES, **args)):
-            return DEFAULT_STAGES - 1
-        return DEFAULT_STAGES
+        best, most = DEFAULT_STAGES, cls.workers_for(smem_limit, stages=DEFAULT_STAGES, **args)
+        floor = min_default_stages(args.get("pair_table", False))
+        for stages in range(DEFAULT_STAGES - 1, floor - 1, -1):
+            workers = cls.workers_for(smem_limit, stages=stages, **args)
+            if workers > most:
+                best, most = stages, workers
+        return best
 
     @staticmethod
     def threads_for(*, block_m: int, span: int = 1, bits_set: tuple = (), workers: int = 1,

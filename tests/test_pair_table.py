@@ -117,16 +117,17 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     one-warpgroup workers as fit in the 232,448 B sm_90a block beside the tables, less the
     1,024 B of static shared memory every DSL kernel carries, and as the register cap allows
     (`max_workers`: 4 up to 32 rows, 3 at 48, 2 at 64 and 96; the pair table 6 up to 16
-    rows, then 5 / 4 / 3 at 32 / 48 / 64 rows with one k step's wgmma in flight, 2 at 96).
+    rows, then 5 / 4 / 3 / 3 at 32 / 48 / 64 / 96 rows with one k step's wgmma in flight).
     By hand: a worker holds
     its activation ring (stages x rows x 128 B) and its B ring (2,048 B a stage at K=2, 4,096
     B at K<=4); the epilogue stores from registers. A plan drops to 3 stages where that adds
-    a worker. Pair table (131,072 B; 100,352 B left), 4 stages: 8 rows 4,096 + 8,192 =
+    a worker (the pair table down to 2). Pair table (131,072 B; 100,352 B left), 4 stages: 8 rows 4,096 + 8,192 =
     12,288 B -> 6 (the cap); 16 rows 16,384 B, x 6 = 98,304 -> 6; 32 rows takes 3 stages,
     12,288 + 6,144 = 18,432 B, x 5 = 92,160 -> 5 (4 stages: 24,576 B -> 4); 48 rows takes 3
     stages, 24,576 B -> 4 (4 stages: 32,768 B -> 3); 64 rows takes 3 stages, 30,720 B -> 3
-    (4 stages: 40,960 B -> 2); 48 x 2 (96 rows) takes 3 stages, 36,864 + 6,144 =
-    43,008 B -> 2 (4 stages: 57,344 B -> 1). Rates {3, 4} (two 64 KiB tables, 16,384 B of B
+    (4 stages: 40,960 B -> 2); 48 x 2 (96 rows) takes 2 stages, 24,576 + 4,096 =
+    28,672 B -> 3 (3 stages: 43,008 B -> 2; 4 stages: 57,344 B -> 1). Mixed rates go no
+    lower than 3 stages. Rates {3, 4} (two 64 KiB tables, 16,384 B of B
     ring at 4 stages, 12,288 B at 3; 4 workers at most up to 32 rows): 8 rows 20,480 B -> 4;
     16 rows 24,576 B -> 4; 32 rows
     takes 3 stages, 12,288 + 12,288 = 24,576 B -> 4 (4 stages: 32,768 B -> 3); 48 rows takes
@@ -149,8 +150,9 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     assert spec(block_m=8).replace(block_m=32).stages == 3  # replace resolves again
     assert spec(block_m=64, span=2).gemm_workers() == 1  # 128 rows: two warpgroups
     wide = spec(block_m=48, span=2)
-    assert (wide.stages, wide.gemm_workers()) == (3, 2)
-    assert wide.kernel_launches()["TrellisWgmma"] == (256, PAIR_TABLE_BYTES + 2 * 43_008)
+    assert (wide.stages, wide.gemm_workers()) == (2, 3)
+    assert wide.kernel_launches()["TrellisWgmma"] == (384, PAIR_TABLE_BYTES + 3 * 28_672)
+    assert wide.replace(stages=3).gemm_workers() == 2  # the worker the second stage bought
     mixed = {m: spec(block_m=m, bits=4, bits_set=(3, 4), coupled=False)
              for m in (8, 16, 32, 48, 64)}
     assert {m: (s.stages, s.gemm_workers()) for m, s in mixed.items()} == {
@@ -179,8 +181,9 @@ def test_one_k_step_in_flight_only_where_it_buys_a_worker():
     pair = {rows: (max_workers(rows, pair_table=True),
                    wgmma_steps_in_flight(rows, max_workers(rows, pair_table=True), True))
             for rows in (8, 16, 32, 48, 64, 96)}
-    assert pair == {8: (6, 2), 16: (6, 2), 32: (5, 1), 48: (4, 1), 64: (3, 1), 96: (2, 2)}
-    assert [wgmma_steps_in_flight(r, w, True) for r, w in ((32, 4), (48, 3), (64, 2))] == [2] * 3
+    assert pair == {8: (6, 2), 16: (6, 2), 32: (5, 1), 48: (4, 1), 64: (3, 1), 96: (3, 1)}
+    assert [wgmma_steps_in_flight(r, w, True)
+            for r, w in ((32, 4), (48, 3), (64, 2), (96, 2))] == [2] * 4
     assert [max_workers(r) for r in (32, 48, 64, 96)] == [4, 3, 2, 2]  # mixed rates
     assert all(wgmma_steps_in_flight(r, max_workers(r)) == 2 for r in (8, 32, 48, 64, 96))
     assert wgmma_steps_in_flight(128, 1) == 2  # two warpgroups, one worker
