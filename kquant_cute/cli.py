@@ -205,11 +205,16 @@ def _num(v: Optional[int]) -> str:
     return "-" if v is None else f"{v:,}"
 
 
+def _m_label(r: PrewarmRecord) -> str:
+    """M as the table and the error lines name it: "48 x 2" for the wide rule's items."""
+    return str(r.block_m) + (f" x {r.span}" if r.role.startswith("wide") else "")
+
+
 def format_table(records: Sequence[PrewarmRecord]) -> str:
     """One row per specialization: arch, M, role, status, regs, smem, spill, seconds, reason."""
     head = ("arch", "M", "role", "status", "regs", "smem B", "spill B", "seconds", "reason")
     rows = [head] + [
-        (r.arch, str(r.block_m) + (f" x {r.span}" if r.role.startswith("wide") else ""), r.role,
+        (r.arch, _m_label(r), r.role,
          r.status + (" (built)" if r.cache == "compiled" and not r.ok else "")
          + (" (unmeasured)" if r.measured is False else ""),
          _num(r.registers), _num(r.shared_bytes), _num(r.spill_bytes), f"{r.seconds:.2f}",
@@ -495,7 +500,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.frozen:  # a frozen process binds the band sizes too: each missing one counts
         failures += [r for r in records if r.status == "failed" and not r.needed]
     for r in failures:
-        print(f"{PROG}: error: {r.arch}: the {r.role} specialization M={r.block_m} "
+        print(f"{PROG}: error: {r.arch}: the {r.role} specialization M={_m_label(r)} "
               f"{'failed' if r.status == 'failed' else 'was rejected'}: {r.reason}", file=err)
         status = EXIT_FAILED
     if args.frozen and failures:

@@ -276,7 +276,8 @@ def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
     records = []
     for m, span in _candidate_keys(route):
         verdict = route.verdict(m, span)
-        kernel = candidate_spec(spec, m, span).kernel_name()
+        candidate = candidate_spec(spec, m, span)
+        kernel = candidate.kernel_name()
         miss = misses.get((m, span))
         if miss is not None:
             why = corrupt.get(miss.key)
@@ -284,14 +285,14 @@ def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
                       else f"not in the cache (key {miss.key[:16]})")
             records.append(PrewarmRecord(arch=arch, block_m=m, role=route.role(m, span),
                                          status="failed", reason=reason, kernel=kernel,
-                                         key=miss.key))
+                                         key=miss.key, mma=candidate.mma, span=candidate.span))
             continue
         records.append(PrewarmRecord(
             arch=arch, block_m=m, role=route.role(m, span),
             status="cached" if verdict.ok else "rejected", reason=verdict.reason,
             registers=verdict.registers, shared_bytes=verdict.smem_bytes,
             spill_bytes=verdict.spills, cache="disk" if verdict.measured is not None else None,
-            kernel=kernel, measured=verdict.measured))
+            kernel=kernel, measured=verdict.measured, mma=candidate.mma, span=candidate.span))
     labels = ", ".join(f"{m}" + (f" x {n}" if n else "") for m, n in sorted(misses))
     error = (f"{len(misses)} planned specializations (M={labels}) "
              "are missing from the frozen cache or corrupt")

@@ -306,6 +306,22 @@ def test_frozen_checks_without_compiling(warm: dict[str, Any], tmp_path: Path) -
     assert list(tmp_path.glob("*.bin")) == []
 
 
+def test_frozen_misses_name_the_wide_items_span(tmp_path: Path) -> None:
+    """A frozen check of the production profile at 4,096 tokens on an empty cache lists the
+    wide rule's work items as M=48 x 2, in the table and in the JSON records (span and GEMM
+    as a compiled record gives them), without compiling anything."""
+    argv = ["--sm", "90", "--profile", "k2_coupled_h512_h128", "--capacity", "4096",
+            "--cache-dir", str(tmp_path), "--frozen", "-q"]
+    rc, out, err = run_main(argv)
+    assert rc == 1 and re.search(r"^sm_90a +48 x 2 +wide +failed ", out, re.M), out
+    assert "error: sm_90a: the wide specialization M=48 x 2 failed: not in the cache" in err
+    rc, out, _ = run_main(argv + ["--json"])
+    wide = [r for r in json.loads(out) if r["role"] == "wide"]
+    assert [(r["block_m"], r["span"], r["mma"], r["status"]) for r in wide] == [
+        (48, 2, "wgmma", "failed")]
+    assert list(tmp_path.glob("*.bin")) == []
+
+
 def test_frozen_calls_a_corrupt_entry_corrupt(warm: dict[str, Any], tmp_path: Path) -> None:
     scratch = copy_cache(warm["dir"], tmp_path / "c")
     rc, out, _ = run_main(["--sm", "120", *SMALL, "--cache-dir", str(scratch), "--json", "-q"])
