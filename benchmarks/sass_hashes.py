@@ -45,6 +45,9 @@ SPECS = {
     "sqg_k2_m16_sm120a": dict(KIMI, codebook="sqg_e4m3", bits=2, block_m=16, arch="sm_120a"),
     "sqg_k2_cpl_m64_sm90a": dict(KIMI, codebook="sqg_e4m3", bits=2, block_m=64, arch="sm_90a",
                                  coupled=True),
+    # the production QSRT layer's wide items (4,096 tokens): three 96-row pair-table workers
+    "sqg_k2_cpl_m48x2_sm90a": dict(KIMI, codebook="sqg_e4m3", bits=2, block_m=48, span=2,
+                                   arch="sm_90a", coupled=True),
     "sqg_r34_m64_sm90a": dict(KIMI, codebook="sqg_e4m3", bits_set=(3, 4), block_m=64, arch="sm_90a"),
     "sqg_r34_m8_sync_sm90a": dict(KIMI, codebook="sqg_e4m3", bits_set=(3, 4), block_m=8,
                                   mma="sync", arch="sm_90a"),
