@@ -237,13 +237,11 @@ class TrellisWgmma(GemmClass):
         (docs/benchmarks.md, docs/mixed_rates.md); needs `smem_limit` and the geometry."""
         if smem_limit is None:
             return DEFAULT_STAGES
-        best, most = DEFAULT_STAGES, cls.workers_for(smem_limit, stages=DEFAULT_STAGES, **args)
+        # Shallower rings never fit fewer workers, so the floor's count is the most.
         floor = min_default_stages(args.get("pair_table", False))
-        for stages in range(DEFAULT_STAGES - 1, floor - 1, -1):
-            workers = cls.workers_for(smem_limit, stages=stages, **args)
-            if workers > most:
-                best, most = stages, workers
-        return best
+        most = cls.workers_for(smem_limit, stages=floor, **args)
+        return next((stages for stages in range(DEFAULT_STAGES, floor, -1)
+                     if cls.workers_for(smem_limit, stages=stages, **args) == most), floor)
 
     @staticmethod
     def threads_for(*, block_m: int, span: int = 1, bits_set: tuple = (), workers: int = 1,

@@ -277,22 +277,20 @@ def _frozen_misses(spec: MoESpec, arch: str, capacity: int, env: PlanEnv,
     for m, span in _candidate_keys(route):
         verdict = route.verdict(m, span)
         candidate = candidate_spec(spec, m, span)
-        kernel = candidate.kernel_name()
+        named = dict(arch=arch, block_m=m, role=route.role(m, span),
+                     kernel=candidate.kernel_name(), mma=candidate.mma, span=candidate.span)
         miss = misses.get((m, span))
         if miss is not None:
             why = corrupt.get(miss.key)
             reason = (f"corrupt cache entry {miss.key[:16]} ({why})" if why is not None
                       else f"not in the cache (key {miss.key[:16]})")
-            records.append(PrewarmRecord(arch=arch, block_m=m, role=route.role(m, span),
-                                         status="failed", reason=reason, kernel=kernel,
-                                         key=miss.key, mma=candidate.mma, span=candidate.span))
+            records.append(PrewarmRecord(**named, status="failed", reason=reason, key=miss.key))
             continue
         records.append(PrewarmRecord(
-            arch=arch, block_m=m, role=route.role(m, span),
-            status="cached" if verdict.ok else "rejected", reason=verdict.reason,
+            **named, status="cached" if verdict.ok else "rejected", reason=verdict.reason,
             registers=verdict.registers, shared_bytes=verdict.smem_bytes,
             spill_bytes=verdict.spills, cache="disk" if verdict.measured is not None else None,
-            kernel=kernel, measured=verdict.measured, mma=candidate.mma, span=candidate.span))
+            measured=verdict.measured))
     labels = ", ".join(f"{m}" + (f" x {n}" if n else "") for m, n in sorted(misses))
     error = (f"{len(misses)} planned specializations (M={labels}) "
              "are missing from the frozen cache or corrupt")
