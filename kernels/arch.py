@@ -61,13 +61,6 @@ class ArchLimits:
         """The SM number, e.g. 90 for ``sm_90``."""
         return int(self.name[3:])
 
-    @property
-    def grid_dependency(self) -> bool:
-        """``griddepcontrol`` exists (PTX ISA 7.8, sm_90 and later): a kernel launched with
-        programmatic stream serialization may start before its predecessor in the stream
-        ends, and waits for it (all of its writes visible) with ``griddepcontrol.wait``."""
-        return self.sm >= 90
-
     def max_registers_per_thread(self, threads: int) -> int:
         """Largest per-thread register count that lets one block of ``threads`` threads launch.
 

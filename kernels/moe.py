@@ -465,10 +465,8 @@ class SubKernel:
     def check(self, smem_limit: int | None = None) -> str | None:
         return self.cls.can_implement(**self.args, smem_limit=smem_limit)
 
-    def build(self, pdl: bool = False):
-        """The kernel object; `pdl`: launched with programmatic stream serialization
-        (`ptx.await_predecessor`), which leaves its can_implement answer unchanged."""
-        return self.cls(**self.args, pdl=pdl)
+    def build(self):
+        return self.cls(**self.args)
 
 
 def dsl_dtype(name: str, spec: MoESpec):
@@ -487,12 +485,7 @@ class MoEForward:
         if reason is not None:
             raise ValueError(f"cannot build {spec.kernel_name()}: {reason}")
         self.spec = spec
-        # Where the arch has griddepcontrol every kernel is launched as a programmatic
-        # dependent of the one before: its CTAs (and the GEMMs' table copies) start while
-        # the predecessor finishes, and it waits for that grid before reading its outputs.
-        limits = spec.arch_limits()
-        pdl = limits is not None and limits.grid_dependency
-        kernels = {sub.role: sub.build(pdl) for sub in spec.sub_kernels()}
+        kernels = {sub.role: sub.build() for sub in spec.sub_kernels()}
         self.count = kernels["count"]
         self.pack = kernels["pack"]
         self.rotate_in = kernels["rotate_in"]

@@ -5,9 +5,8 @@ need: the m16n8k16 fp16 `mma.sync` on raw fragment registers, half2 packing/arit
 used by the trellis codebooks, integer helpers (byte sums, 64-bit funnel reads), and the
 rotation stages' fp32 fma and vector fp16 loads / stores.
 Every function here is a `dsl_user_op`, callable from `@cute.kernel` code on DSL
-scalars (Int32 / Uint32 / Float32) and returning DSL scalars. Also the trace-time
-helpers every kernel module uses to view raw pointers, map expert ids and wait on the
-kernel before it in the stream.
+scalars (Int32 / Uint32 / Float32) and returning DSL scalars. Also the two trace-time
+helpers every kernel module uses to view raw pointers and map expert ids.
 """
 
 from __future__ import annotations
@@ -22,20 +21,6 @@ def flat_tensor(ptr):
     import cutlass.cute as cute
 
     return cute.make_tensor(ptr, cute.make_layout(1 << 30))
-
-
-def await_predecessor(pdl: bool):
-    """With `pdl` (the kernel is launched with programmatic stream serialization, sm_90+:
-    it may start while its predecessor in the stream still runs): wait until that grid has
-    ended with its writes visible, then let the next kernel's CTAs launch. Every kernel of
-    the fused forward calls this before its first global access that a predecessor could
-    have written, and on every path, so each waits on the one before it (the chain orders
-    every kernel after all earlier ones). Without `pdl` nothing is emitted."""
-    if pdl:
-        import cutlass.cute as cute
-
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
 
 
 def local_expert(mIds, mMap, r, has_map: bool):

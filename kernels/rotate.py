@@ -122,10 +122,9 @@ class RotateInput:
         return _check_chunks("hidden", hidden)
 
     def __init__(self, *, hidden: int, topk: int, per_route: bool, has_map: bool,
-                 coupled: bool = False, pdl: bool = False):
+                 coupled: bool = False):
         if coupled and (per_route or hidden % (4 * CHUNK)):
             raise ValueError("coupled RotateInput needs shared vectors and hidden % 512 == 0")
-        self.pdl = pdl  # launched after its predecessor may start (ptx.await_predecessor)
         self.hidden = hidden
         self.topk = topk
         self.per_route = per_route
@@ -140,18 +139,15 @@ class RotateInput:
         if cutlass.const_expr(self.coupled):
             items = num_rows * self.blocks512
             self.coupled_kernel(pX, pSuhG, pXg, num_rows).launch(
-                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream,
-                use_pdl=self.pdl)
+                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
         else:
             self.kernel(pX, pSuhG, pSuhU, pIds, pMap, pXg, pXu, num_rows).launch(
-                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream,
-                use_pdl=self.pdl)
+                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def coupled_kernel(self, pX, pSuhG, pXg, num_rows: Int32):
         """One warp per (row, 512-block): H128 of each 128-chunk, the H4 mix across the four,
         * suh, H128 again; only Xg is written."""
-        ptx.await_predecessor(self.pdl)
         mX, mSuhG, mXg = ptx.flat_tensor(pX), ptx.flat_tensor(pSuhG), ptx.flat_tensor(pXg)
         lane, item = warp_item()
         if item < num_rows * self.blocks512:
@@ -171,7 +167,6 @@ class RotateInput:
 
     @cute.kernel
     def kernel(self, pX, pSuhG, pSuhU, pIds, pMap, pXg, pXu, num_rows: Int32):
-        ptx.await_predecessor(self.pdl)
         mX, mSuhG, mSuhU = ptx.flat_tensor(pX), ptx.flat_tensor(pSuhG), ptx.flat_tensor(pSuhU)
         mIds, mMap, mXg, mXu = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap), ptx.flat_tensor(pXg), ptx.flat_tensor(pXu)
         lane, item = warp_item()
@@ -216,10 +211,9 @@ class MidActivation:
         return _check_chunks("intermediate", intermediate)
 
     def __init__(self, *, intermediate: int, activation: str, has_map: bool,
-                 coupled: bool = False, pdl: bool = False):
+                 coupled: bool = False):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} not in {ACTIVATIONS}")
-        self.pdl = pdl
         self.inter = intermediate
         self.activation = activation
         self.has_map = has_map
@@ -233,12 +227,10 @@ class MidActivation:
         if cutlass.const_expr(self.coupled):
             self.coupled_kernel(pG, pU, pSvhG, pSvhU, pSuhD, pPre, pPost, pIds, pMap, pA2,
                                 n_routes).launch(
-                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream,
-                use_pdl=self.pdl)
+                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
         else:
             self.kernel(pG, pU, pSvhG, pSvhU, pSuhD, pIds, pMap, pA2, n_routes).launch(
-                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream,
-                use_pdl=self.pdl)
+                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def coupled_kernel(self, pG, pU, pSvhG, pSvhU, pSuhD, pPre, pPost, pIds, pMap, pA2,
@@ -253,7 +245,6 @@ class MidActivation:
         bit 0, t in register bit 1, lane in bits 1..5) are again a complete 128-point
         layout, and the Hadamard is a product over index bits, so fwht128 applies as is.
         """
-        ptx.await_predecessor(self.pdl)
         mIds, mMap = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
         lane, item = warp_item()
         if item < n_routes * self.chunks:
@@ -303,7 +294,6 @@ class MidActivation:
 
     @cute.kernel
     def kernel(self, pG, pU, pSvhG, pSvhU, pSuhD, pIds, pMap, pA2, n_routes: Int32):
-        ptx.await_predecessor(self.pdl)
         mA2 = ptx.flat_tensor(pA2)
         mSvhG, mSvhU, mSuhD = ptx.flat_tensor(pSvhG), ptx.flat_tensor(pSvhU), ptx.flat_tensor(pSuhD)
         mIds, mMap = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
@@ -350,10 +340,9 @@ class CombineOutput:
         return _check_chunks("hidden", hidden)
 
     def __init__(self, *, hidden: int, topk: int, shared_svh: bool, has_map: bool, out_dtype,
-                 coupled: bool = False, pdl: bool = False):
+                 coupled: bool = False):
         if coupled and (not shared_svh or hidden % (4 * CHUNK)):
             raise ValueError("coupled CombineOutput needs shared svh and hidden % 512 == 0")
-        self.pdl = pdl
         self.hidden = hidden
         self.topk = topk
         self.shared_svh = shared_svh
@@ -369,19 +358,16 @@ class CombineOutput:
         if cutlass.const_expr(self.coupled):
             items = m * self.blocks512
             self.coupled_kernel(pY, pSvhD, pIds, pMap, pW, pOut, m).launch(
-                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream,
-                use_pdl=self.pdl)
+                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
         else:
             self.kernel(pY, pSvhD, pIds, pMap, pW, pOut, m).launch(
-                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream,
-                use_pdl=self.pdl)
+                grid=[(items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def coupled_kernel(self, pY, pSvhD, pIds, pMap, pW, pOut, m: Int32):
         """One warp per (token, 512-block): the top-k sum of each 128-chunk, H128, * svh
         (FC2's output rotation), then H512 = H4 (x) H128: H128 of each chunk again and the
         H4 mix across the four."""
-        ptx.await_predecessor(self.pdl)
         mSvh, mIds, mMap = ptx.flat_tensor(pSvhD), ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
         mW, mOut = ptx.flat_tensor(pW), ptx.flat_tensor(pOut)
         lane, item = warp_item()
@@ -412,7 +398,6 @@ class CombineOutput:
 
     @cute.kernel
     def kernel(self, pY, pSvhD, pIds, pMap, pW, pOut, m: Int32):
-        ptx.await_predecessor(self.pdl)
         mSvh, mIds, mMap = ptx.flat_tensor(pSvhD), ptx.flat_tensor(pIds), ptx.flat_tensor(pMap)
         mW, mOut = ptx.flat_tensor(pW), ptx.flat_tensor(pOut)
         lane, item = warp_item()

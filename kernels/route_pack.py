@@ -77,9 +77,8 @@ def own_experts(mIds, mMap, g, tidx, n_routes: Int32, has_map: cutlass.Constexpr
 class RouteCount:
     threads = THREADS
 
-    def __init__(self, *, num_experts: int, has_map: bool, pdl: bool = False):
+    def __init__(self, *, num_experts: int, has_map: bool):
         self.num_experts = num_experts
-        self.pdl = pdl  # launched after its predecessor may start (ptx.await_predecessor)
         self.has_map = has_map
         self.smem_bytes = count_smem_bytes(num_experts)
 
@@ -93,11 +92,10 @@ class RouteCount:
     def __call__(self, pIds, pMap, pHist, n_routes: Int32, stream):
         self.kernel(pIds, pMap, pHist, n_routes).launch(
             grid=[_grid(n_routes), 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
-            stream=stream, use_pdl=self.pdl)
+            stream=stream)
 
     @cute.kernel
     def kernel(self, pIds, pMap, pHist, n_routes: Int32):
-        ptx.await_predecessor(self.pdl)
         E = self.num_experts
         mIds, mMap, mHist = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap), ptx.flat_tensor(pHist)
         smem = cutlass.memory.SmemAllocator()
@@ -119,9 +117,8 @@ class RouteCount:
 class RoutePack:
     threads = THREADS
 
-    def __init__(self, *, num_experts: int, block_m: int, has_map: bool, pdl: bool = False):
+    def __init__(self, *, num_experts: int, block_m: int, has_map: bool):
         self.num_experts = num_experts
-        self.pdl = pdl
         self.block_m = block_m
         self.has_map = has_map
         self.chunk = (num_experts + THREADS - 1) // THREADS  # experts per thread
@@ -139,12 +136,11 @@ class RoutePack:
         self.kernel(pIds, pMap, pHist, pSorted, pBlockExpert, pNumPadded, pOffsets, pCounts,
                     n_routes, max_blocks).launch(grid=[_grid(n_routes), 1, 1],
                                                  block=[THREADS, 1, 1], smem=self.smem_bytes,
-                                                 stream=stream, use_pdl=self.pdl)
+                                                 stream=stream)
 
     @cute.kernel
     def kernel(self, pIds, pMap, pHist, pSorted, pBlockExpert, pNumPadded, pOffsets, pCounts,
                n_routes: Int32, max_blocks: Int32):
-        ptx.await_predecessor(self.pdl)
         E = self.num_experts
         M = self.block_m
         mIds, mMap, mHist = ptx.flat_tensor(pIds), ptx.flat_tensor(pMap), ptx.flat_tensor(pHist)

@@ -93,8 +93,7 @@ class TrellisGemm(GemmClass):
                  topk: int, a_rows_per_token: bool, stages: int = DEFAULT_STAGES,
                  min_ctas_per_sm: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
                  rate_axis: str = "n", span: int = 1, workers: int = 1,
-                 pair_table: bool = False, table_decode: str = "direct", pdl: bool = False):
-        self.pdl = pdl  # launched after its predecessor may start (ptx.await_predecessor)
+                 pair_table: bool = False, table_decode: str = "direct"):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages, bits_set=bits_set,
                                     rate_axis=rate_axis, span=span, workers=workers,
@@ -199,8 +198,7 @@ class TrellisGemm(GemmClass):
         self.kernel(pA, pB, pSorted, pBlockExpert, pNumPadded, pOut, pA1, pB1, pOut1, operands,
                     n_routes, zero_row, pTable, pRateBits, pRateWords, k_tile_words).launch(
             grid=[grid, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
-            stream=stream, use_pdl=self.pdl, min_blocks_per_mp=self.min_ctas_per_sm,
-            preferred_smem_carveout=100)
+            stream=stream, min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
 
     def issue_a(self, ks, buf, a_gaddr, a_saddr, rAsrc, rAbytes, tidx):
         """cp.async the A rows of pipeline stage `ks` into buffer `buf` (padding rows: zeros)."""
@@ -345,7 +343,6 @@ class TrellisGemm(GemmClass):
                pA1: cute.Pointer, pB1: cute.Pointer, pOut1: cute.Pointer, operands: Int32,
                n_routes: Int32, zero_row: Int32, pTable: cute.Pointer, pRateBits: cute.Pointer,
                pRateWords: cute.Pointer, k_tile_words: Int32):
-        ptx.await_predecessor(self.pdl)
         big = 1 << 30
         mSorted = cute.make_tensor(pSorted, cute.make_layout(big))
         mBlockExpert = cute.make_tensor(pBlockExpert, cute.make_layout(big))

@@ -311,8 +311,7 @@ class TrellisWgmma(GemmClass):
                  topk: int, a_rows_per_token: bool, stages: int, min_ctas_per_sm: int = 1,
                  span: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
                  rate_axis: str = "n", workers: int = 1, pair_table: bool = False,
-                 table_decode: str = "direct", pdl: bool = False):
-        self.pdl = pdl  # launched after its predecessor may start (ptx.await_predecessor)
+                 table_decode: str = "direct"):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages, span=span,
                                     bits_set=bits_set, workers=workers, rate_axis=rate_axis,
@@ -377,8 +376,7 @@ class TrellisWgmma(GemmClass):
                     pA1, pB1, pOut1, operands, n_routes, zero_row, pTable, pRateBits,
                     pRateWords, k_tile_words).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
-            stream=stream, use_pdl=self.pdl, min_blocks_per_mp=self.min_ctas_per_sm,
-            preferred_smem_carveout=100)
+            stream=stream, min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
 
     @cute.jit
     def issue_a(self, ks, buf, a_gaddr, a_saddr, rAsrc, tidx):
@@ -453,12 +451,6 @@ class TrellisWgmma(GemmClass):
         else:
             widx, q0 = lane_words(lane, self.ring.bits)
 
-        if cutlass.const_expr(self.pdl and self.ring.table):
-            # The table is a weight, no predecessor's output: its copy starts before the
-            # wait and overlaps the kernels before this one. Whether a CTA has items is
-            # known only after the wait, so every CTA of the persistent grid stages it.
-            stage_table(pTable, tab, cta_tidx, self.threads, self.table_bytes, self.table_offset)
-        ptx.await_predecessor(self.pdl)
         num_blocks = mNumPadded[0] // self.block_m
         per_block = operands * self.ring.n_tiles  # works of one route block
         total = num_blocks * per_block
@@ -477,9 +469,8 @@ class TrellisWgmma(GemmClass):
             if cutlass.const_expr(self.workers > 1):
                 first, stride = bidx + wk * gdim, gdim * self.workers
             if bidx < total:
-                if cutlass.const_expr(not self.pdl):
-                    stage_table(pTable, tab, cta_tidx, self.threads, self.table_bytes,
-                                self.table_offset)
+                stage_table(pTable, tab, cta_tidx, self.threads, self.table_bytes,
+                            self.table_offset)
                 if cutlass.const_expr(self.workers > 1):
                     # The tables are copied by every worker and read by each: complete and
                     # visible before the workers part (their barriers are their own).

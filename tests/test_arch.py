@@ -66,14 +66,6 @@ def test_cvt_e4m3_from_sm_89_on():
         assert lim.cvt_e4m3 == (lim.sm >= 89), lim.name
 
 
-def test_grid_dependency_from_sm_90_on():
-    """griddepcontrol.wait / .launch_dependents need sm_90 or later (PTX ISA 7.8,
-    "griddepcontrol": "requires sm_90"): the fused forward launches its kernels as
-    programmatic dependents only there."""
-    for lim in ARCH_TABLE.values():
-        assert lim.grid_dependency == (lim.sm >= 90), lim.name
-
-
 def test_known_archs_ascending():
     names = known_archs()
     assert set(names) == set(ARCH_TABLE)
