@@ -230,8 +230,9 @@ def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
     (6); from 32 rows a 3-stage ring buys a worker: 18,432 B at 32 rows (M=32 runs span 1
     here; 5 workers), 24,576 B at 48 rows (4), 30,720 B at 64 rows (3), with one k step's
     wgmma in flight instead of two (`wgmma_steps_in_flight`), and 48 x 2 runs three 96-row
-    workers on 2-stage rings (28,672 B each), also with one step in flight. At the plans' block sizes it spills nothing
-    and fits 227 KB; the mma.sync GEMM keeps the 64 KiB direct table."""
+    workers on 2-stage rings (28,672 B each), also with one step in flight. At the plans'
+    block sizes it spills nothing and fits 227 KB; the mma.sync GEMM keeps the 64 KiB
+    direct table."""
     from kquant_cute.kernels.decode import PAIR_TABLE_BYTES, TABLE_BYTES
 
     limits = arch_limits("sm_90a")

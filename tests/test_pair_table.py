@@ -118,22 +118,21 @@ def test_workers_fill_the_shared_memory_the_tables_leave():
     1,024 B of static shared memory every DSL kernel carries, and as the register cap allows
     (`max_workers`: 4 up to 32 rows, 3 at 48, 2 at 64 and 96; the pair table 6 up to 16
     rows, then 5 / 4 / 3 / 3 at 32 / 48 / 64 / 96 rows with one k step's wgmma in flight).
-    By hand: a worker holds
-    its activation ring (stages x rows x 128 B) and its B ring (2,048 B a stage at K=2, 4,096
-    B at K<=4); the epilogue stores from registers. A plan drops to 3 stages where that adds
-    a worker (the pair table down to 2). Pair table (131,072 B; 100,352 B left), 4 stages: 8 rows 4,096 + 8,192 =
-    12,288 B -> 6 (the cap); 16 rows 16,384 B, x 6 = 98,304 -> 6; 32 rows takes 3 stages,
-    12,288 + 6,144 = 18,432 B, x 5 = 92,160 -> 5 (4 stages: 24,576 B -> 4); 48 rows takes 3
-    stages, 24,576 B -> 4 (4 stages: 32,768 B -> 3); 64 rows takes 3 stages, 30,720 B -> 3
-    (4 stages: 40,960 B -> 2); 48 x 2 (96 rows) takes 2 stages, 24,576 + 4,096 =
-    28,672 B -> 3 (3 stages: 43,008 B -> 2; 4 stages: 57,344 B -> 1). Mixed rates go no
-    lower than 3 stages. Rates {3, 4} (two 64 KiB tables, 16,384 B of B
-    ring at 4 stages, 12,288 B at 3; 4 workers at most up to 32 rows): 8 rows 20,480 B -> 4;
-    16 rows 24,576 B -> 4; 32 rows
-    takes 3 stages, 12,288 + 12,288 = 24,576 B -> 4 (4 stages: 32,768 B -> 3); 48 rows takes
-    3 stages, 18,432 + 12,288 = 30,720 B -> 3 (4 stages: 40,960 B -> 2); 64 rows 49,152 B
-    -> 2 (3 stages: 36,864 B, still 2); 48 x 2 takes 3 stages, 36,864 + 12,288 = 49,152 B
-    -> 2 (4 stages: 65,536 B -> 1). T12 stays at 2 (registers)."""
+    By hand: a worker holds its activation ring (stages x rows x 128 B) and its B ring
+    (2,048 B a stage at K=2, 4,096 B at K<=4); the epilogue stores from registers. A plan
+    drops to 3 stages where that adds a worker (the pair table down to 2). Pair table
+    (131,072 B; 100,352 B left), 4 stages: 8 rows 4,096 + 8,192 = 12,288 B -> 6 (the cap);
+    16 rows 16,384 B, x 6 = 98,304 -> 6; 32 rows takes 3 stages, 12,288 + 6,144 = 18,432 B,
+    x 5 = 92,160 -> 5 (4 stages: 24,576 B -> 4); 48 rows takes 3 stages, 24,576 B -> 4 (4
+    stages: 32,768 B -> 3); 64 rows takes 3 stages, 30,720 B -> 3 (4 stages: 40,960 B -> 2);
+    48 x 2 (96 rows) takes 2 stages, 24,576 + 4,096 = 28,672 B -> 3 (3 stages: 43,008 B ->
+    2; 4 stages: 57,344 B -> 1). Mixed rates go no lower than 3 stages. Rates {3, 4} (two 64
+    KiB tables, 16,384 B of B ring at 4 stages, 12,288 B at 3; 4 workers at most up to 32
+    rows): 8 rows 20,480 B -> 4; 16 rows 24,576 B -> 4; 32 rows takes 3 stages, 12,288 +
+    12,288 = 24,576 B -> 4 (4 stages: 32,768 B -> 3); 48 rows takes 3 stages, 18,432 +
+    12,288 = 30,720 B -> 3 (4 stages: 40,960 B -> 2); 64 rows 49,152 B -> 2 (3 stages:
+    36,864 B, still 2); 48 x 2 takes 3 stages, 36,864 + 12,288 = 49,152 B -> 2 (4 stages:
+    65,536 B -> 1). T12 stays at 2 (registers)."""
     def spec(**kw):
         base = dict(num_experts=64, hidden=3584, intermediate=384, topk=16, bits=2,
                     codebook="sqg_e4m3", block_m=8, span=1, shared_hidden_vectors=True,
