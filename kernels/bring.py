@@ -30,7 +30,6 @@ from . import ptx
 from .decode import MMA_CODEBOOKS, TABLE_BYTES, TABLE_CODEBOOKS, check_table_decode
 from .launch import ROUTE_BLOCK_SIZES
 
-#: Columns of a work item's N tile: every GEMM class's default (`GemmClass.tile_ns`).
 TILE_N = 128
 K_STEPS_PER_STAGE = 4  # 16-wide reduction steps per pipeline stage (64 elements)
 DEFAULT_STAGES = 4
@@ -46,9 +45,9 @@ SMEM_RESERVED_PER_CTA = 1024  # the driver's per-CTA shared-memory reservation
 DSL_STATIC_SMEM = 1024
 
 
-def b_stage_bytes(bits: int, tile_n: int = TILE_N) -> int:
-    """Trellis words of one pipeline stage: the N tile's tile_n / 16 tile columns x 4 k-tiles."""
-    return (tile_n // 16) * K_STEPS_PER_STAGE * 32 * bits
+def b_stage_bytes(bits: int) -> int:
+    """Trellis words of one pipeline stage: the N tile's 8 tile columns x 4 k-tiles."""
+    return (TILE_N // 16) * K_STEPS_PER_STAGE * 32 * bits
 
 
 def operand_bases(pA, pB, pOut, pA1, pB1, pOut1):
@@ -129,8 +128,6 @@ class GemmClass:
     kernel_tag: str = ""
     #: Route blocks of one expert a work item may take (`MoESpec.span`).
     spans: tuple = (1,)
-    #: Columns of a work item's N tile this class runs (`MoESpec.fc1_tile_n` / `fc2_tile_n`).
-    tile_ns: tuple = (TILE_N,)
 
     @classmethod
     def default_span(cls, block_m: int, smem_limit: int | None = None, **args) -> int:
@@ -143,12 +140,6 @@ class GemmClass:
         """B-ring stages when a spec does not pin `stages` (`args`: the spec's GEMM geometry
         without stages)."""
         return DEFAULT_STAGES
-
-    @classmethod
-    def default_tile_n(cls, role: str, **args) -> int:
-        """Columns of the N tile of projection `role` ("fc1" or "fc2") when a spec does not
-        pin them (`args`: the spec's GEMM geometry, block size and span resolved)."""
-        return TILE_N
 
     @staticmethod
     def pair_table_for(**args) -> bool:
@@ -174,10 +165,8 @@ class BRing:
     """The trellis-word ring of one GEMM specialization (see module docstring)."""
 
     def __init__(self, *, k_dim: int, n_dim: int, bits: int, codebook: str, stages: int,
-                 bits_set: tuple = (), rate_axis: str = "n", table_decode: str = "direct",
-                 tile_n: int = TILE_N):
+                 bits_set: tuple = (), rate_axis: str = "n", table_decode: str = "direct"):
         self.k_dim = k_dim
-        self.tile_n = tile_n
         self.n_dim = n_dim
         self.bits = bits
         self.codebook = codebook
@@ -194,23 +183,23 @@ class BRing:
         self.k_tiles = k_dim // fmt.TILE
         self.k_stages = self.k_tiles // K_STEPS_PER_STAGE
         self.n_tiles16 = n_dim // fmt.TILE
-        self.n_tiles = n_dim // tile_n
+        self.n_tiles = n_dim // TILE_N
         self.tile_words = 8 * bits  # uint32 words per 16x16 trellis tile
-        self.b_stage_words = b_stage_bytes(bits, tile_n) // 4
-        self.b_chunks = K_STEPS_PER_STAGE * (self.tile_n // 16) * self.tile_words * 4 // 16
+        self.b_stage_words = b_stage_bytes(bits) // 4
+        self.b_chunks = K_STEPS_PER_STAGE * (TILE_N // 16) * self.tile_words * 4 // 16
         self.rate_tiles = (n_dim if rate_axis == "n" else k_dim) // fmt.TILE
 
     def issue_b(self, ks, buf, b_gbase, b_saddr, tidx, threads: int):
         """cp.async the trellis words of pipeline stage `ks` (4 k-tiles x the N tile's 8
         16-column tiles) into buffer `buf`, spread over the work item's `threads` threads."""
-        run_chunks = (self.tile_n // 16) * self.tile_words * 4 // 16  # 16-B chunks of one k-tile's 8 tiles
+        run_chunks = (TILE_N // 16) * self.tile_words * 4 // 16  # 16-B chunks of one k-tile's 8 tiles
         for i in range((self.b_chunks + threads - 1) // threads):
             q = (tidx + threads * i) % self.b_chunks
             kl = q // run_chunks
             within = q % run_chunks
             kt = ks * K_STEPS_PER_STAGE + kl
             src = b_gbase + Int64(kt * self.n_tiles16 * self.tile_words * 4 + within * 16)
-            dst = b_saddr + (buf * self.b_stage_words + kl * (self.tile_n // 16) * self.tile_words) * 4 + within * 16
+            dst = b_saddr + (buf * self.b_stage_words + kl * (TILE_N // 16) * self.tile_words) * 4 + within * 16
             if threads * (i + 1) > self.b_chunks:  # the wrapping slots (as in the GEMMs' issue_a)
                 ptx.cp_async_16_if(Int32(cutlass.select_(tidx + threads * i < self.b_chunks, 1, 0)),
                                    dst, src)
@@ -219,14 +208,14 @@ class BRing:
 
     def b_tile_base(self, expert, nt):
         """Byte offset of (k-tile 0, first 16-column tile of N tile `nt`) of `expert`."""
-        return Int64(expert * (self.k_tiles * self.n_tiles16) + nt * (self.tile_n // 16)) * (self.tile_words * 4)
+        return Int64(expert * (self.k_tiles * self.n_tiles16) + nt * (TILE_N // 16)) * (self.tile_words * 4)
 
     def tile_words_at(self, sB, buf, kk, n16, widx, bits=None):
         """This lane's trellis words of tile (k step kk, 16-column tile n16 of the N tile)
         in stage buffer `buf` (tiles of `bits` K, default the uniform K, packed from the
         buffer's start)."""
         tile_words = self.tile_words if bits is None else 8 * bits
-        tb = buf * self.b_stage_words + (kk * (self.tile_n // 16) + n16) * tile_words
+        tb = buf * self.b_stage_words + (kk * (TILE_N // 16) + n16) * tile_words
         return [sB[tb + w] for w in widx]
 
     def copy_b(self, ks, buf, b_src, b_saddr, tidx, threads: int):
@@ -244,7 +233,7 @@ class BRing:
         once. FC2 (rate axis k): the expert's row of the rate maps, read per stage."""
         row = expert * self.rate_tiles
         if cutlass.const_expr(self.rate_axis == "n"):
-            j = row + nt * (self.tile_n // 16)
+            j = row + nt * (TILE_N // 16)
             return (b_gaddr, Int32(mRateBits[j]), Int32(mRateWords[j]), k_tile_words, nt)
         return (b_gaddr, mRateBits, mRateWords, row, nt)
 
@@ -281,15 +270,15 @@ class BRing:
         if cutlass.const_expr(self.rate_axis == "n"):
             base, kt_stride = w, rctx[3]
         else:
-            base, kt_stride = w + nt * (self.tile_n // 16) * tile_words, self.n_tiles16 * tile_words
-        run_chunks = (self.tile_n // 16) * tile_words * 4 // 16
+            base, kt_stride = w + nt * (TILE_N // 16) * tile_words, self.n_tiles16 * tile_words
+        run_chunks = (TILE_N // 16) * tile_words * 4 // 16
         b_chunks = K_STEPS_PER_STAGE * run_chunks
         for i in range((b_chunks + threads - 1) // threads):
             q = (tidx + threads * i) % b_chunks
             kl = q // run_chunks
             within = q % run_chunks
             src = b_gaddr + Int64(base + kl * kt_stride) * 4 + within * 16
-            dst = b_saddr + (buf * self.b_stage_words + kl * (self.tile_n // 16) * tile_words) * 4 + within * 16
+            dst = b_saddr + (buf * self.b_stage_words + kl * (TILE_N // 16) * tile_words) * 4 + within * 16
             if threads * (i + 1) > b_chunks:  # the wrapping slots (as in the GEMMs' issue_a)
                 ptx.cp_async_16_if(Int32(cutlass.select_(tidx + threads * i < b_chunks, 1, 0)),
                                    dst, src)

@@ -105,18 +105,6 @@ def _resolve_stages(spec: "MoESpec", requested: int) -> int:
         return DEFAULT_STAGES
 
 
-def _resolve_tile_n(spec: "MoESpec", role: str, requested: int) -> int:
-    """`fc1_tile_n` / `fc2_tile_n` 0 -> the GEMM class's `default_tile_n` for projection
-    `role` of this geometry (block size and span resolved), `TILE_N` where the geometry
-    cannot be asked (`MoESpec.check` reports why)."""
-    if requested != 0 or spec.mma not in GEMMS or not isinstance(spec.block_m, int):
-        return requested
-    try:
-        return GEMMS[spec.mma].default_tile_n(role, **spec._gemm_geometry())
-    except (TypeError, ValueError, KeyError):
-        return TILE_N
-
-
 def _resolve_table_decode(spec: "MoESpec") -> str:
     """`table_decode` "auto" -> "direct" where the layer's direct tables (one 64 KiB table per
     K) fit the target beside the smallest GEMM (M=8, span 1, one worker), else "t12"
@@ -193,14 +181,8 @@ class MoESpec:
     #: kernels/sqg_t12.py) or "auto" (direct where the layer's direct tables fit the target,
     #: else t12: `_resolve_table_decode`). Arithmetic codebooks read no table ("direct").
     table_decode: str = "auto"
-    #: Columns of the gate / up GEMM's (FC1) and of the down GEMM's (FC2) N tile, the work
-    #: item's output columns: 128 (`bring.TILE_N`), or 64 where the GEMM class runs them
-    #: (`tile_ns`; wgmma: one warpgroup per item, uniform K), which deals twice the work
-    #: items over the SMs; 0 = the GEMM class's `default_tile_n` for this geometry.
-    fc1_tile_n: int = 0
-    fc2_tile_n: int = 0
-    #: (mma, span, table_decode, stages, fc1_tile_n, fc2_tile_n) as asked for, before
-    #: resolution (not part of the key or of equality).
+    #: (mma, span, table_decode, stages) as asked for, before resolution (not part of the key or
+    #: of equality).
     requested: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -213,8 +195,7 @@ class MoESpec:
         except (ValueError, TypeError):
             pass
         object.__setattr__(self, "requested",
-                           (self.mma, self.span, self.table_decode, self.stages, self.fc1_tile_n,
-                            self.fc2_tile_n))
+                           (self.mma, self.span, self.table_decode, self.stages))
         object.__setattr__(self, "mma", _resolve_mma(self.mma, self.arch))
         # The table decode and the span are chosen against the default ring depth, then the
         # ring depth for the resolved span (`_resolve_stages`).
@@ -222,8 +203,6 @@ class MoESpec:
             object.__setattr__(self, "stages", DEFAULT_STAGES)
         object.__setattr__(self, "table_decode", _resolve_table_decode(self))
         object.__setattr__(self, "span", _resolve_span(self))
-        for i, role in ((4, "fc1"), (5, "fc2")):
-            object.__setattr__(self, f"{role}_tile_n", _resolve_tile_n(self, role, self.requested[i]))
         object.__setattr__(self, "stages", _resolve_stages(self, self.requested[3]))
 
     def resolved(self) -> "MoESpec":
@@ -242,8 +221,7 @@ class MoESpec:
         shared memory of `arch` (from the arch table)."""
         if self.mma not in GEMMS:
             return f"mma {self.mma!r} not in {MMA_KINDS}"
-        for name in ("num_experts", "hidden", "intermediate", "topk", "bits", "block_m",
-                     "fc1_tile_n", "fc2_tile_n"):
+        for name in ("num_experts", "hidden", "intermediate", "topk", "bits", "block_m"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 return f"{name} must be a positive int, got {v!r}"
@@ -333,7 +311,6 @@ class MoESpec:
         gemm = GEMMS[self.mma]
         common = dict(self._gemm_geometry(), topk=self.topk, workers=self.gemm_workers(),
                       min_ctas_per_sm=self.gemm_ctas_per_sm())
-        common.pop("tile_n")  # each GEMM its own (the geometry holds the wider)
         if self._table():  # persistent grid: SMs x resident CTAs
             common["ctas_per_sm"] = self.gemm_resident_ctas()
         rates1, rates2 = {}, {}
@@ -350,15 +327,13 @@ class MoESpec:
                                                      has_map=self.has_expert_map,
                                                      coupled=self.coupled)),
             SubKernel("gemm1", gemm, dict(k_dim=self.hidden, n_dim=self.intermediate,
-                                          a_rows_per_token=not per_route,
-                                          tile_n=self.fc1_tile_n, **common, **rates1)),
+                                          a_rows_per_token=not per_route, **common, **rates1)),
             SubKernel("mid", MidActivation, dict(intermediate=self.intermediate,
                                                  activation=self.activation,
                                                  has_map=self.has_expert_map,
                                                  coupled=self.coupled)),
             SubKernel("gemm2", gemm, dict(k_dim=self.intermediate, n_dim=self.hidden,
-                                          a_rows_per_token=False, tile_n=self.fc2_tile_n,
-                                          **common, **rates2)),
+                                          a_rows_per_token=False, **common, **rates2)),
             SubKernel("combine", CombineOutput, dict(hidden=self.hidden, topk=self.topk,
                                                      shared_svh=self.shared_hidden_vectors,
                                                      has_map=self.has_expert_map,
@@ -386,9 +361,7 @@ class MoESpec:
 
     def replace(self, **changes) -> "MoESpec":
         """A copy with `changes`; "auto" / 0 requests are resolved again for the copy."""
-        mma, span, table_decode, stages, fc1_tile_n, fc2_tile_n = self.requested
-        changes.setdefault("fc1_tile_n", fc1_tile_n)
-        changes.setdefault("fc2_tile_n", fc2_tile_n)
+        mma, span, table_decode, stages = self.requested
         changes.setdefault("stages", stages)
         changes.setdefault("mma", mma)
         changes.setdefault("span", span)
@@ -405,12 +378,7 @@ class MoESpec:
                 f"i{self.intermediate}_t{self.topk}_s{self.stages}"
                 f"{f'_o{self.occupancy}' if self.occupancy != 1 else ''}"
                 f"{GEMMS[self.mma].kernel_tag if self.mma in GEMMS else '_' + str(self.mma)}"
-                f"{'' if self.tiles() == (TILE_N, TILE_N) else '_n%dx%d' % self.tiles()}"
                 f"{f'_x{self.span}' if self.span != 1 else ''}_{self.arch}")
-
-    def tiles(self) -> tuple[int, int]:
-        """(FC1, FC2) N-tile columns."""
-        return self.fc1_tile_n, self.fc2_tile_n
 
     def _table(self) -> bool:
         """The codebook decodes through state tables (persistent GEMM grid)."""
@@ -423,10 +391,6 @@ class MoESpec:
         geo = dict(block_m=self.block_m, bits=self.bits, codebook=self.codebook,
                    stages=self.stages, span=self.span, bits_set=self.bits_set,
                    table_decode=self.table_decode)
-        # The wider of the two N tiles (0: not resolved yet, the default): the one workers,
-        # ring depth and span are chosen for, so both GEMMs fit them.
-        tiles = [t for t in self.tiles() if isinstance(t, int) and not isinstance(t, bool)]
-        geo["tile_n"] = max(tiles, default=0) or TILE_N
         geo["pair_table"] = self.mma in GEMMS and GEMMS[self.mma].pair_table_for(**geo)
         return geo
 

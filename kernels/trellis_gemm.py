@@ -93,12 +93,11 @@ class TrellisGemm(GemmClass):
                  topk: int, a_rows_per_token: bool, stages: int = DEFAULT_STAGES,
                  min_ctas_per_sm: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
                  rate_axis: str = "n", span: int = 1, workers: int = 1,
-                 pair_table: bool = False, table_decode: str = "direct", tile_n: int = TILE_N):
+                 pair_table: bool = False, table_decode: str = "direct"):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages, bits_set=bits_set,
                                     rate_axis=rate_axis, span=span, workers=workers,
-                                    pair_table=pair_table, table_decode=table_decode,
-                                    tile_n=tile_n)
+                                    pair_table=pair_table, table_decode=table_decode)
         if reason is not None:
             raise ValueError(reason)
         self.block_m = block_m
@@ -157,12 +156,9 @@ class TrellisGemm(GemmClass):
                       topk: int = 1, a_rows_per_token: bool = False,
                       min_ctas_per_sm: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
                       rate_axis: str = "n", span: int = 1, workers: int = 1,
-                      pair_table: bool = False, table_decode: str = "direct",
-                      tile_n: int = TILE_N) -> str | None:
+                      pair_table: bool = False, table_decode: str = "direct") -> str | None:
         """None when this geometry compiles to a valid kernel, else the reason (takes the
         constructor's arguments; `smem_limit`: the target's per-block shared memory)."""
-        if tile_n != TILE_N:
-            return f"tile_n {tile_n!r}: mma 'sync' runs {TILE_N}-column N tiles"
         if span != 1:
             return f"span {span!r}: mma 'sync' runs one route block per work item (span 1)"
         if workers != 1:

@@ -2,8 +2,7 @@
 (the default GEMM on sm_90a, `MoESpec.mma`; other archs use `TrellisGemm`'s mma.sync).
 
 Owns `TrellisWgmma`. Same contract, layouts and work items as `TrellisGemm` (route block
-of `block_m` rows x 128-column N tile, or 64 columns: `tile_n`, below), computed
-transposed: out^T = W_hat^T A^T.
+of `block_m` rows x 128-column N tile), computed transposed: out^T = W_hat^T A^T.
 - A operand (m64 x k16, registers): 64 output columns of W_hat^T. A decoded 16x16 trellis
   tile is this lane's m16n8k16 B fragment of W_hat, which is the A fragment of W_hat^T
   with the middle two registers swapped (h0, h2, h1, h3).
@@ -14,11 +13,7 @@ transposed: out^T = W_hat^T A^T.
   8 x 16-byte core matrices would put all 8 in the same 4 banks.)
 - Accumulators: two m64 x n fp32 tiles (output columns 0..63 and 64..127), n registers
   per thread (n = the work item's rows; above 64 rows two warpgroups of 64 columns each,
-  except a worker's item of up to `WORKER_ROWS` rows, below). A 64-column N tile
-  (`NARROW_TILE_N`, one warpgroup per item, uniform K) holds one: each warp decodes one
-  16-column tile per k step, the B ring holds half the words, and a launch deals twice the
-  work items (a short launch's last round is half as long); every column sums the same k
-  steps with the same wgmma shape, so outputs are bitwise those of 128-column tiles.
+  except a worker's item of up to `WORKER_ROWS` rows, below).
 - Epilogue: each lane stores its accumulators straight from registers to the fp32 output
   rows (`store_tile`; 8 lanes fill one 32-byte sector), so a worker's shared memory is its
   two rings: no transposing tile (16.5 KiB at 32 rows), which would cost a worker or a
@@ -120,12 +115,11 @@ def a_region_bytes(rows: int, stages: int) -> int:
 
 def smem_bytes(block_m: int, bits: int, stages: int, span: int = 1,
                codebook: str | None = None, bits_set: tuple = (), workers: int = 1,
-               pair_table: bool = False, table_decode: str = "direct",
-               tile_n: int = TILE_N) -> int:
+               pair_table: bool = False, table_decode: str = "direct") -> int:
     """The codebook's state tables, then per worker the activation ring and the B ring
-    (sized for `bits`, the widest K, and the N tile)."""
+    (sized for `bits`, the widest K)."""
     return (table_bytes(codebook, bits_set, pair_table, table_decode)
-            + workers * (a_region_bytes(span * block_m, stages) + stages * b_stage_bytes(bits, tile_n)))
+            + workers * (a_region_bytes(span * block_m, stages) + stages * b_stage_bytes(bits)))
 
 
 #: T12 layers keep two workers: the register cap of more threads per CTA makes ptxas
@@ -146,62 +140,30 @@ ROWS_MAX_WORKERS = ((32, 4, 4), (48, 3, 3), (64, 2, 2), (WORKER_ROWS, 2, 2))
 #: flight is faster only where it adds a worker (docs/benchmarks.md, "Workers and wgmmas in
 #: flight"), so a kernel runs it only there (`wgmma_steps_in_flight`).
 PAIR_ROWS_MAX_WORKERS = ((16, 6, 6), (32, 4, 5), (48, 3, 4), (64, 2, 3), (WORKER_ROWS, 2, 3))
-#: Columns of a narrow N tile: one m64 wgmma per k step, each warp of the worker's
-#: warpgroup decoding one 16-column tile (`TILE_N`: two m64 tiles, two per warp).
-NARROW_TILE_N = 64
-#: The pair table's caps with 64-column tiles (half the accumulators and A registers of a
-#: 128-column item), as `PAIR_ROWS_MAX_WORKERS`. ptxas, sm_90a, two steps in flight: 59 /
-#: 61 / 72 / 96 / 125 registers at 8 / 8 / 7 / 5 / 4 workers (8 / 16 / 32 / 48 / 64 rows),
-#: no spills, and 6 workers at 48 rows / 5 at 64 spill; one step in flight: 80 / 95
-#: registers at 6 / 5 workers (48 / 64 rows), no spills, 7 workers at 48 rows spill.
-PAIR_ROWS_MAX_WORKERS_N64 = ((16, 8, 8), (32, 7, 7), (48, 5, 6), (64, 4, 5))
-#: (rows, FC1 tile, FC2 tile): the pair table's N tiles up to `rows` rows (`default_tile_n`);
-#: rows past the last entry run `TILE_N` columns.
-PAIR_TILES: tuple = ()
 #: The worker counts a CTA may run (`check_workers`).
-WORKERS = tuple(range(1, max(w for caps in (PAIR_ROWS_MAX_WORKERS, PAIR_ROWS_MAX_WORKERS_N64)
-                              for _, _, w in caps) + 1))
+WORKERS = tuple(range(1, max(w for _, _, w in PAIR_ROWS_MAX_WORKERS) + 1))
 
 
-def _worker_caps(rows: int, pair_table: bool, tile_n: int = TILE_N) -> tuple[int, int]:
-    """(most workers with two k steps in flight, with one) for a work item of `rows` rows
-    and `tile_n` columns (64 columns: the pair table's only)."""
+def _worker_caps(rows: int, pair_table: bool) -> tuple[int, int]:
+    """(most workers with two k steps in flight, with one) for a work item of `rows` rows."""
     caps = PAIR_ROWS_MAX_WORKERS if pair_table else ROWS_MAX_WORKERS
-    if tile_n != TILE_N:
-        caps = PAIR_ROWS_MAX_WORKERS_N64 if pair_table else ()
     for r, two, one in caps:
         if rows <= r:
             return two, one
-    if tile_n != TILE_N:
-        return 1, 1
     raise ValueError(f"a worker's item holds at most {WORKER_ROWS} rows, not {rows}")
 
 
-def max_workers(rows: int, table_decode: str = "direct", pair_table: bool = False,
-                tile_n: int = TILE_N) -> int:
+def max_workers(rows: int, table_decode: str = "direct", pair_table: bool = False) -> int:
     """The most workers whose register cap holds a work item of `rows` rows (T12: 2)."""
-    top = _worker_caps(rows, pair_table, tile_n)[1]
+    top = _worker_caps(rows, pair_table)[1]
     return min(top, T12_MAX_WORKERS) if table_decode == "t12" else top
 
 
-def wgmma_steps_in_flight(rows: int, workers: int, pair_table: bool = False,
-                          tile_n: int = TILE_N) -> int:
+def wgmma_steps_in_flight(rows: int, workers: int, pair_table: bool = False) -> int:
     """k steps whose wgmmas the k loop keeps in flight: 2, or 1 where `workers` is more
     than two steps' A registers leave room for (`PAIR_ROWS_MAX_WORKERS`). One worker
     (items of any rows, up to two warpgroups) keeps two."""
-    return 2 if workers == 1 or workers <= _worker_caps(rows, pair_table, tile_n)[0] else 1
-
-
-def check_tile(tile_n: int, rows: int, bits_set: tuple = (), workers: int = 1) -> str | None:
-    """None when a work item of `rows` rows can run `tile_n`-column N tiles: `TILE_N`, or
-    `NARROW_TILE_N` on one warpgroup (up to 64 rows, or a worker's item) at a uniform K."""
-    if tile_n not in (TILE_N, NARROW_TILE_N):
-        return f"tile_n {tile_n!r} not in {(TILE_N, NARROW_TILE_N)}"
-    if tile_n == NARROW_TILE_N and (warpgroups(rows, bool(bits_set), workers) != 1 or bits_set):
-        return (f"{NARROW_TILE_N}-column N tiles need one warpgroup per work item and a uniform"
-                f" K, not {rows} rows{' at mixed rates' if bits_set else ''}"
-                f" on {workers} worker(s)")
-    return None
+    return 2 if workers == 1 or workers <= _worker_caps(rows, pair_table)[0] else 1
 
 
 def min_default_stages(pair_table: bool) -> int:
@@ -245,7 +207,6 @@ class TrellisWgmma(GemmClass):
     kind = "wgmma"
     instruction = "async wgmma"
     spans = SPANS
-    tile_ns = (TILE_N, NARROW_TILE_N)
     kernel_tag = "_wgmma"
 
     @classmethod
@@ -282,17 +243,6 @@ class TrellisWgmma(GemmClass):
         return next((stages for stages in range(DEFAULT_STAGES, floor, -1)
                      if cls.workers_for(smem_limit, stages=stages, **args) == most), floor)
 
-    @classmethod
-    def default_tile_n(cls, role: str, *, block_m: int, span: int = 1,
-                       pair_table: bool = False, **args) -> int:
-        """Columns of projection `role`'s N tile when a spec does not pin them: `PAIR_TILES`
-        for the pair table's work items, else `TILE_N`."""
-        if pair_table:
-            for rows, fc1, fc2 in PAIR_TILES:
-                if span * block_m <= rows:
-                    return fc1 if role == "fc1" else fc2
-        return TILE_N
-
     @staticmethod
     def threads_for(*, block_m: int, span: int = 1, bits_set: tuple = (), workers: int = 1,
                     **args) -> int:
@@ -302,11 +252,10 @@ class TrellisWgmma(GemmClass):
     @staticmethod
     def smem_bytes_for(*, block_m: int, bits: int, stages: int = DEFAULT_STAGES, span: int = 1,
                        codebook: str | None = None, bits_set: tuple = (), workers: int = 1,
-                       pair_table: bool = False, table_decode: str = "direct",
-                       tile_n: int = TILE_N, **args) -> int:
+                       pair_table: bool = False, table_decode: str = "direct", **args) -> int:
         """Dynamic shared memory of one CTA (`smem_bytes`)."""
         return smem_bytes(block_m, bits, stages, span, codebook, bits_set, workers, pair_table,
-                          table_decode, tile_n)
+                          table_decode)
 
     @staticmethod
     def pair_table_for(*, bits: int, codebook: str, bits_set: tuple = (),
@@ -325,8 +274,7 @@ class TrellisWgmma(GemmClass):
         keep more decode loads queued on the banks while others wait on their wgmma."""
         if not (bits_set or pair_table) or span * block_m > WORKER_ROWS:
             return 1
-        top = max_workers(span * block_m, args.get("table_decode", "direct"), pair_table,
-                          args.get("tile_n", TILE_N))
+        top = max_workers(span * block_m, args.get("table_decode", "direct"), pair_table)
         for workers in range(top, 1, -1):
             need = cls.smem_bytes_for(block_m=block_m, span=span, bits_set=bits_set,
                                       pair_table=pair_table, **dict(args, workers=workers))
@@ -338,13 +286,11 @@ class TrellisWgmma(GemmClass):
     def can_implement(*, block_m: int, k_dim: int, n_dim: int, bits: int, codebook: str,
                       stages: int, span: int = 1, smem_limit: int | None = None,
                       bits_set: tuple = (), workers: int = 1, pair_table: bool = False,
-                      table_decode: str = "direct", tile_n: int = TILE_N,
-                      **gemm_args) -> str | None:
+                      table_decode: str = "direct", **gemm_args) -> str | None:
         """None when this geometry compiles to a valid kernel, else the reason: the span,
         the geometry rules every trellis GEMM shares (`bring.check_geometry`), this
         kernel's smem."""
-        reason = (check_span(block_m, span) or check_workers(block_m, span, codebook, workers)
-                  or check_tile(tile_n, span * block_m, bits_set, workers))
+        reason = check_span(block_m, span) or check_workers(block_m, span, codebook, workers)
         if reason is None:
             reason = check_geometry(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages, bits_set=bits_set,
@@ -354,7 +300,7 @@ class TrellisWgmma(GemmClass):
             reason = check_pair_table(bits, bits_set, codebook, table_decode)
         if reason is None and smem_limit is not None:
             need = smem_bytes(block_m, bits, stages, span, codebook, bits_set, workers, pair_table,
-                              table_decode, tile_n)
+                              table_decode)
             if need > smem_limit:
                 reason = (f"shared memory {need:,} B"
                           f"{table_note(codebook, bits_set, pair_table, table_decode)} > "
@@ -365,18 +311,17 @@ class TrellisWgmma(GemmClass):
                  topk: int, a_rows_per_token: bool, stages: int, min_ctas_per_sm: int = 1,
                  span: int = 1, ctas_per_sm: int = 1, bits_set: tuple = (),
                  rate_axis: str = "n", workers: int = 1, pair_table: bool = False,
-                 table_decode: str = "direct", tile_n: int = TILE_N):
+                 table_decode: str = "direct"):
         reason = self.can_implement(block_m=block_m, k_dim=k_dim, n_dim=n_dim, bits=bits,
                                     codebook=codebook, stages=stages, span=span,
                                     bits_set=bits_set, workers=workers, rate_axis=rate_axis,
-                                    pair_table=pair_table, table_decode=table_decode,
-                                    tile_n=tile_n)
+                                    pair_table=pair_table, table_decode=table_decode)
         if reason is not None:
             raise ValueError(reason)
         # The trellis words' ring (and, for mixed rates, each stage's K), as in TrellisGemm.
         self.ring = BRing(k_dim=k_dim, n_dim=n_dim, bits=bits, codebook=codebook,
                           stages=stages, bits_set=bits_set, rate_axis=rate_axis,
-                          table_decode=table_decode, tile_n=tile_n)
+                          table_decode=table_decode)
         self.topk = topk
         self.a_rows_per_token = a_rows_per_token
         # K=2 pair table (128 KiB, `decode.decode_lane_tile_pair`) instead of the direct table.
@@ -395,13 +340,12 @@ class TrellisWgmma(GemmClass):
         # Workers: independent work-item loops per CTA (module docstring); `item_threads`
         # run one work item, `threads` is the CTA.
         self.workers = workers
-        self.steps_in_flight = wgmma_steps_in_flight(self.rows, workers, pair_table, tile_n)
+        self.steps_in_flight = wgmma_steps_in_flight(self.rows, workers, pair_table)
         self.warpgroups = warpgroups(self.rows, self.ring.mixed, workers)
         self.item_threads = THREADS * self.warpgroups
         self.threads = self.item_threads * workers
         self.num_warps = NUM_WARPS * self.warpgroups
-        self.tile_n = tile_n
-        self.m64_per_wg = tile_n // 64 // self.warpgroups  # m64 x n accumulator tiles per warpgroup
+        self.m64_per_wg = 2 // self.warpgroups  # m64 x n accumulator tiles per warpgroup
         self.n_acc = self.rows // 2  # fp32 accumulators per thread per m64 tile
         self.a_stage = a_stage_bytes(self.rows)
         self.a_chunks = self.rows * (STAGE_ROW_BYTES // 16)  # 16-B copies per stage
@@ -413,7 +357,7 @@ class TrellisWgmma(GemmClass):
                                         for i in range(1, (self.rows + 15) // 16 + 1)}))
         self.a_region = a_region_bytes(self.rows, stages)
         self.smem_bytes = smem_bytes(block_m, bits, stages, span, codebook, self.ring.bits_set,
-                                     workers, pair_table, table_decode, tile_n)
+                                     workers, pair_table, table_decode)
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pB: cute.Pointer, pSorted: cute.Pointer,
@@ -719,7 +663,7 @@ class TrellisWgmma(GemmClass):
         c = lane % 4
         wg = warp // NUM_WARPS
         wq = warp % NUM_WARPS
-        col = nt * self.tile_n + wg * self.m64_per_wg * 64 + wq * 16 + gq
+        col = nt * TILE_N + wg * self.m64_per_wg * 64 + wq * 16 + gq
         for j in cutlass.range_constexpr(self.n_acc // 4):
             reg = (8 * j) // 32  # rows 8j .. 8j + 7 sit in one register's 32 rows
             for e2 in cutlass.range_constexpr(2):

@@ -103,11 +103,6 @@ def test_static_rejections_name_the_reason():
         "span must be an int >= 0, got -1": dict(mma="wgmma", span=-1),
         "span 3 not in (1, 2, 4)": dict(mma="wgmma", span=3),
         "mma 'wgmma' needs sm_90a, not sm_120a": dict(arch="sm_120a", mma="wgmma"),
-        "fc1_tile_n must be a positive int, got -64": dict(fc1_tile_n=-64),
-        "tile_n 96 not in (128, 64)": dict(fc2_tile_n=96),
-        "tile_n 64: mma 'sync' runs 128-column N tiles": dict(mma="sync", fc1_tile_n=64),
-        ("64-column N tiles need one warpgroup per work item and a uniform K, not 128 rows "
-         "on 1 worker(s)"): dict(block_m=64, span=2, fc2_tile_n=64),
     }
     for reason, change in reasons.items():
         assert spec.replace(**change).check() == reason, change
@@ -117,8 +112,7 @@ def test_static_rejections_name_the_reason():
     assert spec.replace(codebook="sqg_e4m3", bits=4).check() is None
     # "auto" resolves by arch when the spec is made; the resolved spec names and keys the
     # object, and replace() resolves the request again (M=32 gets its own span).
-    assert (spec.mma, spec.span) == ("wgmma", 1)
-    assert spec.requested == ("auto", 0, "auto", 0, 0, 0) and spec.tiles() == (128, 128)
+    assert (spec.mma, spec.span) == ("wgmma", 1) and spec.requested == ("auto", 0, "auto", 0)
     assert spec.replace(arch="sm_120a").mma == "sync"
     assert spec.replace(block_m=32).kernel_name().endswith("_wgmma_x2_sm_90a")
     pinned = spec.replace(mma="wgmma", span=1)
@@ -260,35 +254,6 @@ def test_sqg_e4m3_k2_pair_table_compiles_on_sm90(cache):
                                     mma="sync")
     assert sync.table_layout() == "direct"
     assert TABLE_BYTES < sync.dynamic_smem()["TrellisGemm"] < PAIR_TABLE_BYTES
-
-
-@needs_cuobjdump
-def test_sqg_e4m3_k2_narrow_tiles_compile_on_sm90(cache):
-    """64-column N tiles (`MoESpec.fc1_tile_n` / `fc2_tile_n`): one m64 wgmma per k step,
-    half a 128-column item's B ring (4 stages x 1,024 B of K=2 words) and accumulators, so
-    the pair table fits more workers (`PAIR_ROWS_MAX_WORKERS_N64`): with both GEMMs narrow,
-    8 workers at 8 and 16 rows, 7 at 32 (2-stage rings), 6 at 48 (one step in flight), 5
-    at 64; with FC1 narrow only, FC2's 128 columns set the workers. Every one compiles
-    without spills inside the register cap of its threads, and names its tiles in the key;
-    the default is 128 columns for both."""
-    from kquant_cute.kernels.decode import PAIR_TABLE_BYTES
-
-    limits = arch_limits("sm_90a")
-    base = DEFAULT_GEOMETRY.replace(codebook="sqg_e4m3", bits=2, block_m=8, arch="sm_90a")
-    assert base.tiles() == (128, 128) and "_n" not in base.kernel_name().split("wgmma")[1]
-    for m, tiles, workers, stages in ((8, (64, 128), 6, 4), (8, (64, 64), 8, 4),
-                                      (16, (64, 64), 8, 4), (32, (64, 64), 7, 2),
-                                      (48, (64, 64), 6, 2), (64, (64, 64), 5, 2)):
-        spec = base.replace(block_m=m, fc1_tile_n=tiles[0], fc2_tile_n=tiles[1])
-        assert (spec.tiles(), spec.gemm_workers(), spec.stages) == (tiles, workers, stages), m
-        assert spec.kernel_name().endswith(f"_wgmma_n{tiles[0]}x{tiles[1]}_sm_90a")
-        verdict = geometry_check(spec, cache)
-        assert verdict.ok and verdict.spills == 0, (m, tiles, verdict)
-        assert verdict.registers <= 65_536 // (128 * workers), (m, tiles, verdict.registers)
-        gemm1, gemm2 = (sub.build() for sub in spec.sub_kernels() if sub.role.startswith("gemm"))
-        assert (gemm1.tile_n, gemm2.tile_n) == tiles and gemm1.ring.n_tiles == 384 // tiles[0]
-        ring = workers * stages * (m * 128 + 8 * tiles[1] * 2)  # the wider GEMM's rings
-        assert gemm2.smem_bytes == PAIR_TABLE_BYTES + ring <= limits.smem_per_block_optin
 
 
 @needs_cuobjdump
