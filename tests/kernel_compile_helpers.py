@@ -1,5 +1,6 @@
 """Compile one kernel class alone for an arch with fake pointers (CPU only), and read its
-resources: the compile-only tests of single kernel modules (test_route_pack, test_rotate)."""
+resources: the compile-only tests of single kernel modules (test_route_pack, test_rotate);
+and the skip markers of tests that read resources or SASS."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from kquant_cute.kernels import build
 needs_cuobjdump = pytest.mark.skipif(
     build.find_cuobjdump() is None,
     reason="cuobjdump not found (the nvidia-cuda-cuobjdump dependency): resources unmeasurable")
+needs_sass = pytest.mark.skipif(
+    build.find_cuobjdump() is None or build.find_nvdisasm() is None,
+    reason="cuobjdump -sass needs cuobjdump and nvdisasm (pip install -e \".[test]\")")
 
 
 def compile_alone(kernel, pointee_dtypes, n_ints: int, arch: str, name: str) -> dict:

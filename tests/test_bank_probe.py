@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from kquant_cute.kernels.build import dump_sass, find_cuobjdump, find_nvdisasm
+from kquant_cute.kernels.build import dump_sass
+from kernel_compile_helpers import needs_sass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
@@ -35,8 +36,7 @@ def test_rejects_unknown_mode_and_thread_counts():
         bank_probe.BankProbe("pair", 96, sync_every=1)
 
 
-@pytest.mark.skipif(find_cuobjdump() is None or find_nvdisasm() is None,
-                    reason="cuobjdump -sass needs cuobjdump and nvdisasm (pip install -e \".[test]\")")
+@needs_sass
 @pytest.mark.parametrize("mode", sorted(bank_probe.MODES))
 def test_compiles_with_the_modes_load_width(mode, tmp_path):
     _, res = bank_probe.compile_probe(mode, 1024, "sm_90a", str(tmp_path))

@@ -15,16 +15,13 @@ import pytest
 import torch
 
 from kquant_cute import trellis as tc
-from kquant_cute.kernels.build import dump_sass, find_cuobjdump, find_nvdisasm
+from kquant_cute.kernels.build import dump_sass
+from kernel_compile_helpers import needs_cuobjdump, needs_sass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 
 from decode_probe import TrellisDecode, compile_decode, reference_checksum  # noqa: E402
-
-needs_sass = pytest.mark.skipif(
-    find_cuobjdump() is None or find_nvdisasm() is None,
-    reason="cuobjdump -sass needs cuobjdump and nvdisasm (pip install -e \".[test]\")")
 
 
 def test_reference_checksum_matches_a_scalar_loop():
@@ -55,7 +52,7 @@ def test_reference_checksum_matches_a_scalar_loop():
     assert got.tolist() == want
 
 
-@pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")
+@needs_cuobjdump
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 @pytest.mark.parametrize("operands", [1, 2])
 def test_decode_kernel_compiles_without_spills(arch, operands):
